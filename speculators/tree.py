@@ -1,0 +1,125 @@
+"""Draft trees: the shape every proposer produces and the verifier consumes.
+
+Node 0 is the root: the last committed token, whose K/V the target has not computed yet. Every
+other node is a drafted token whose parent has a smaller index, so index order is a topological
+order. A chain is the tree whose parents are i - 1.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i (parent -1 = none)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def chain_parents(length: int, first_parent: int = -1) -> list[int]:
+    return [first_parent] + list(range(first_parent + 1, first_parent + length)) if length else []
+
+
+@dataclass
+class DraftTree:
+    """token_ids[N], parents[N]; draft_probs[i] is the drafter's distribution that node i was drawn
+    from (its parent's next-token distribution, after the request's temperature / top-k / top-p),
+    shared by siblings that were drawn without replacement in index order. None means the children
+    were chosen deterministically (prompt lookup, greedy top-k): the verifier then treats each child
+    as a point-mass proposal, which keeps sampling lossless. `confidence[i]` is the drafter's own
+    probability of node i (for stats and lookahead), or None when the drafter has none.
+    """
+
+    token_ids: list[int]
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
+    _children: list[list[int]] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.parents) or not self.token_ids:
+            raise ValueError("a draft tree needs as many parents as tokens, and at least the root")
+        if self.parents[0] != -1:
+            raise ValueError("node 0 is the root and has parent -1")
+        for index, parent in enumerate(self.parents[1:], start=1):
+            if not 0 <= parent < index:
+                raise ValueError(f"node {index} has parent {parent}; parents must precede children")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
+            raise ValueError("draft_probs needs one row per node")
+
+    @classmethod
+    def root_only(cls, root: int) -> "DraftTree":
+        return cls([root], [-1])
+
+    @classmethod
+    def chain(cls, root: int, tokens: Sequence[int], draft_probs=None, confidence=None) -> "DraftTree":
+        return cls([root, *tokens], chain_parents(len(tokens) + 1), draft_probs, confidence)
+
+    @classmethod
+    def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> "DraftTree":
+        """A deterministic tree (a trie) from token sequences that all continue the root."""
+        tokens, parents, index = [root], [-1], {}
+        for path in paths:
+            node = 0
+            for token in path:
+                key = (node, token)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                node = index[key]
+        return cls(tokens, parents)
+
+    @property
+    def size(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.token_ids) - 1
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return node_depths(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        return ancestor_mask(self.parents)
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.token_ids]
+        for index, parent in enumerate(self.parents[1:], start=1):
+            kids[parent].append(index)
+        return kids
+
+    @cached_property
+    def paths(self) -> list[list[int]]:
+        """Retrieve indices: every root-to-leaf path as node indices."""
+        result, stack = [], [[0]]
+        while stack:
+            path = stack.pop()
+            kids = self.children[path[-1]]
+            if not kids:
+                result.append(path)
+            stack.extend(path + [kid] for kid in reversed(kids))
+        return sorted(result)

@@ -1,0 +1,102 @@
+"""Tree verification: which drafted tokens the target keeps, and the one token it adds.
+
+Pure functions over a DraftTree and the target's logits at every tree node (row i = the target's
+next-token logits after node i). Greedy keeps the longest path whose every token is the target's
+argmax. Sampling walks from the root with recursive rejection sampling: child x of a node is
+accepted with probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)) and q
+loses x (siblings were drawn without replacement), and the next sibling is tried; when every child
+fails, the token is drawn from what is left of p. At a leaf the bonus token is drawn from p.
+The output distribution is exactly the target's (SpecInfer, EAGLE; Jeon et al. 2024 for the
+without-replacement form).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculators.sampling import SamplingParams, warp
+from speculators.tree import DraftTree
+
+
+@dataclass
+class VerifyResult:
+    accepted_nodes: list[int]
+    """Tree nodes kept, root first: the K/V to compact into place."""
+    accepted_tokens: list[int]
+    """The drafted tokens the target accepted (root excluded)."""
+    next_token: int
+    """The bonus token (after a fully accepted path) or the recovered token (after a rejection)."""
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return [*self.accepted_tokens, self.next_token]
+
+
+def verify(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    if target_logits.shape[0] != tree.size:
+        raise ValueError(f"need target logits for all {tree.size} nodes, got {target_logits.shape[0]}")
+    if params.greedy:
+        return verify_greedy(tree, target_logits)
+    return verify_sampled(tree, warp(target_logits, params), generator)
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
+    best = target_logits.argmax(-1).tolist()
+    node, path = 0, [0]
+    while True:
+        match = next((kid for kid in tree.children[node] if tree.token_ids[kid] == best[node]), None)
+        if match is None:
+            break
+        node = match
+        path.append(node)
+    return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], best[node])
+
+
+def _normalized(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """weights / sum, or `fallback` when rounding left nothing (p and q equal up to float error)."""
+    total = weights.sum()
+    return weights / total if total > 0 else fallback
+
+
+def _acceptance(p_token: float, q_token: float) -> float:
+    if q_token <= 0:
+        return 1.0 if p_token > 0 else 0.0
+    return min(1.0, p_token / q_token)
+
+
+def verify_sampled(
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> VerifyResult:
+    target_probs = target_probs.double()
+    node, path = 0, [0]
+    while True:
+        p = target_probs[node]
+        kids = tree.children[node]
+        q = None if tree.draft_probs is None or not kids else tree.draft_probs[kids[0]].double()
+        accepted = None
+        for kid in kids:
+            token = tree.token_ids[kid]
+            chance = _acceptance(float(p[token]), 1.0 if q is None else float(q[token]))
+            if torch.rand((), generator=generator, dtype=torch.float64).item() < chance:
+                accepted = kid
+                break
+            if q is None:
+                residual = p.clone()
+                residual[token] = 0
+            else:
+                residual = (p - q).clamp_min(0)
+                without = q.clone()
+                without[token] = 0
+                q = _normalized(without, q)
+            p = _normalized(residual, p)
+        if accepted is None:
+            next_token = int(torch.multinomial(p.float(), 1, generator=generator))
+            return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], next_token)
+        node = accepted
+        path.append(node)
