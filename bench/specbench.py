@@ -39,8 +39,6 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WARMUP_PROMPT, WARMUP_TOKENS = "Say hello.", 8
 _NOT_OPTIONS = ("command", "benchmark", "func")
 """Namespace entries set by the CLI's subcommands, not by options."""
-SUMMARY_KEYS = ("tokens_per_s", "speedup", "speedup_vs_own_plain", "mean_accepted_tokens",
-                "match_rate", "own_match_rate", "questions", "failed")
 
 
 def comma_list(choices: Iterable[str] | None = None) -> Callable[[str], list[str]]:
@@ -282,7 +280,7 @@ def markdown(report: dict) -> str:
     for title, summaries in groups:
         rows = {name: row for name, row in summaries.items() if row and row["questions"]}
         count = max((row["questions"] for row in rows.values()), default=0)
-        lines += ["", f"## {title} ({count} questions)", "",
+        lines += ["", f"## {title} ({count} question{'s' * (count != 1)})", "",
                   "| method | tokens/s | speedup vs plain | speedup vs own plain | mean accepted tokens | greedy match |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name, row in rows.items():

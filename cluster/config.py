@@ -12,8 +12,26 @@ Method = Literal["none", "pld", "draft"]
 LAYER_SKIP_PREFIX = "layer-skip:"
 
 
-class EngineConfig(BaseModel):
+class SchedulerConfig(BaseModel):
+    """How the engine batches and how much it speculates."""
+
     model_config = ConfigDict(extra="forbid")
+
+    max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
+    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
+    max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
+    step_token_budget: int = Field(
+        256, ge=0, description="drafted tokens per step for the whole micro-batch, shared equally: "
+        "speculation shrinks per request as load grows")
+    pipeline: bool = Field(False, description="split requests into two micro-batches so one is drafted while the other is verified")
+    min_acceptance: float = Field(
+        0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
+    gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
+    gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
+
+
+class EngineConfig(SchedulerConfig):
+    """A whole in-process engine: target, drafter and scheduler."""
 
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field("pld", description="drafter: none (plain decoding), pld (prompt lookup) or draft (a draft model)")
@@ -27,9 +45,6 @@ class EngineConfig(BaseModel):
     pld_max_ngram_size: int = Field(2, ge=1, le=16, description="prompt lookup: longest n-gram matched")
     pld_max_branches: int = Field(1, ge=1, le=16, description="prompt lookup: earlier matches merged into one tree")
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig, description="default lookahead of a request")
-    max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
-    max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
-    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
     attention_backend: str = Field("sdpa", description="attention kernel: sdpa")

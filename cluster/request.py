@@ -57,9 +57,12 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    """'stop' (EOS or a stop string), 'length' (max_new_tokens or the context window), 'abort'."""
+    """'stop' (EOS or a stop string), 'length' (max_new_tokens or the context window), 'abort', 'error'."""
     stats: RequestStats
     seconds: float
+    """From admission (prefill included) to the last token."""
+    error: str | None = None
+    """Why the request failed (finish_reason 'error'); such errors are retryable."""
 
     @property
     def mean_accepted_tokens(self) -> float:

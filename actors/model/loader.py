@@ -7,6 +7,7 @@ safetensors slices, so a tensor-parallel rank never holds the full model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -127,9 +128,16 @@ def load_model(
     plan: ShardPlan = ShardPlan(),
     comm: Communicator | None = None,
     attention_backend: str = "sdpa",
+    num_layers: int | None = None,
 ) -> LlamaDecoder:
+    """Load a model (or one tensor-parallel rank's slice of it); `num_layers` keeps only the first
+    layers, for a layer-skip self-draft that lives apart from its target."""
     path = resolve_model(name_or_path)
     config = load_config(path)
+    if num_layers is not None:
+        if not 0 < num_layers <= config.num_layers:
+            raise ValueError(f"num_layers must be in 1..{config.num_layers}, got {num_layers}")
+        config = dataclasses.replace(config, num_layers=num_layers)
     with torch.device("meta"):
         model = LlamaDecoder(config, plan, comm, attention_backend)
     expected = {name for name, _ in model.named_parameters()}

@@ -147,7 +147,7 @@ class DraftModelProposer(Proposer):
         if not self.model.has(request_id):
             return
         seen = self.model.committed_length(request_id)
-        if len(token_ids) < seen:
+        if len(token_ids) <= seen:
             self.model.truncate(request_id, len(token_ids))
             return
         # scratch index = tree index - 1; the target's new tokens past the root, minus the last

@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from bench import peers, specbench
 from cluster import cli
@@ -135,17 +136,17 @@ def test_llama_cpp_runner_decodes_from_a_fresh_cache_and_stops_like_ours(monkeyp
 
 
 class FakeHF:
-    """Stands in for AutoModelForCausalLM: records generate's options, answers [7, 2, 7]."""
+    """Stands in for AutoModelForCausalLM: records what generate was asked, answers [7, 2, 7]."""
 
-    loaded: list[str] = []
+    made: list[FakeHF] = []
 
     def __init__(self, name):
         self.name, self.calls = name, []
 
     @classmethod
     def from_pretrained(cls, name, dtype):
-        cls.loaded.append(name)
-        return cls(name)
+        cls.made.append(cls(name))
+        return cls.made[-1]
 
     def eval(self):
         return self
@@ -159,7 +160,7 @@ class FakeHF:
 def fake_hf(monkeypatch):
     import transformers
 
-    FakeHF.loaded = []
+    monkeypatch.setattr(FakeHF, "made", [])
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", FakeHF)
     monkeypatch.setattr(peers, "resolve_model", lambda name: name)
     return FakeHF
@@ -168,9 +169,19 @@ def fake_hf(monkeypatch):
 def test_hf_peers_share_one_target_and_skip_assisted_for_a_layer_skip_draft(fake_hf):
     runners, notes = peers.build_peers(["hf", "hf-pld", "hf-assisted"], peer_args(), {2}, 0)
     assert [r.name for r in runners] == ["hf", "hf-pld"] and "layer-skip" in notes["hf-assisted"]
-    assert fake_hf.loaded == ["smollm2-135m"]
+    [target] = fake_hf.made
     assert runners[1].generate([1, 1], 8) == peers.Generation([7, 2], "stop")
-    options = runners[1].generate.__closure__ and None  # noqa: keeps the call above explicit
+    options = target.calls[-1]
+    assert options["do_sample"] is False and options["eos_token_id"] == [2] and options["pad_token_id"] == 0
+    assert options["prompt_lookup_num_tokens"] == 10 and options["max_matching_ngram_size"] == 2
+
+
+def test_hf_assisted_uses_a_draft_model(fake_hf):
+    runners, notes = peers.build_peers(["hf-assisted"], peer_args(draft="tiny-draft"), {2}, 0)
+    assert notes == {} and [r.name for r in runners] == ["hf-assisted"]
+    target, draft = fake_hf.made
+    runners[0].generate([1], 1)
+    assert target.calls[-1]["assistant_model"] is draft and draft.name == "tiny-draft"
 
 
 @pytest.mark.default_model

@@ -10,8 +10,8 @@ from scipy.stats import chisquare
 
 from actors.model.llama import layer_skip_draft
 from actors.model.runner import ModelRunner
-from actors.target_worker import TargetWorker
-from cluster.engine import SpecEngine
+from cluster.config import SchedulerConfig
+from cluster.factory import local_engine
 from cluster.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.draft_model import DraftModelProposer
@@ -33,8 +33,9 @@ def make_proposer(kind: str, model, slots: int):
 
 
 def run_engine(model, proposer, prompts, lookahead=LookaheadConfig(), sampling=SamplingParams(), slots=4,
-               max_new_tokens=NEW_TOKENS, max_tree_nodes=32):
-    engine = SpecEngine(TargetWorker(model, slots, 256), IdTokenizer(), proposer, max_tree_nodes=max_tree_nodes)
+               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False):
+    config = SchedulerConfig(max_sequences=slots, max_len=256, max_tree_nodes=max_tree_nodes, pipeline=pipeline)
+    engine = local_engine(model, IdTokenizer(), proposer, config)
     requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead)
                 for i, p in enumerate(prompts)]
     return engine.generate(requests)
@@ -75,10 +76,12 @@ def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, 
     assert sum(o.stats.accepted for o in outputs) > 0  # speculation actually happened
 
 
-def test_requests_joining_mid_flight_and_a_tight_budget(tiny_model, plain_outputs):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_requests_joining_mid_flight_and_a_tight_budget(tiny_model, plain_outputs, pipeline):
     """Two cache slots for four requests (continuous batching) and at most 2 drafted nodes a tree."""
     model, _ = tiny_model
-    outputs = run_engine(model, make_proposer("draft-tree", model, 2), PROMPTS, slots=2, max_tree_nodes=2)
+    outputs = run_engine(model, make_proposer("draft-tree", model, 2), PROMPTS, slots=2, max_tree_nodes=2,
+                         pipeline=pipeline)
     assert [o.token_ids for o in outputs] == plain_outputs
     assert max(o.stats.drafted / o.stats.target_forwards for o in outputs) <= 2
 
@@ -89,8 +92,8 @@ def test_max_new_tokens_and_eos_stop_exactly(tiny_model, plain_outputs):
     assert [o.token_ids for o in outputs] == [p[:5] for p in plain_outputs]
     assert {o.finish_reason for o in outputs} == {"length"}
     eos = plain_outputs[2][3]
-    engine = SpecEngine(TargetWorker(model, 4, 256), IdTokenizer(), make_proposer("pld", model, 4),
-                        eos_token_ids=[eos])
+    engine = local_engine(model, IdTokenizer(), make_proposer("pld", model, 4), SchedulerConfig(max_len=256),
+                          eos_token_ids=[eos])
     output = engine.generate([GenerationRequest("e", PROMPTS[2], max_new_tokens=NEW_TOKENS)])[0]
     assert output.token_ids == plain_outputs[2][: plain_outputs[2].index(eos) + 1]
     assert output.finish_reason == "stop"
@@ -99,7 +102,7 @@ def test_max_new_tokens_and_eos_stop_exactly(tiny_model, plain_outputs):
 def test_stop_strings_cut_the_text(tiny_model, plain_outputs):
     model, _ = tiny_model
     stop = f"t{plain_outputs[0][4]}"
-    engine = SpecEngine(TargetWorker(model, 2, 256), IdTokenizer(), make_proposer("pld", model, 2))
+    engine = local_engine(model, IdTokenizer(), make_proposer("pld", model, 2), SchedulerConfig(max_len=256))
     output = engine.generate([GenerationRequest("s", PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop])])[0]
     assert stop not in output.text and output.finish_reason == "stop"
     assert output.token_ids == plain_outputs[0][: len(output.token_ids)]
@@ -149,7 +152,7 @@ def test_sampled_output_follows_the_target(width):
     counts = np.zeros((8, 8))
     for start in range(0, samples, batch):
         proposer = DraftModelProposer(ModelRunner(draft, batch, 16), width=width)
-        engine = SpecEngine(TargetWorker(model, batch, 16), IdTokenizer(), proposer)
+        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16))
         requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]
