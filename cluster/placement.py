@@ -27,8 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.model.loader import DEFAULT_MODEL
-from cluster.config import Method
+from cluster.config import EngineConfig
 
 Bundle = dict[str, float]
 MIN_BUNDLE_CPU = 0.01
@@ -42,19 +41,15 @@ class PlacementError(RuntimeError):
 class ClusterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target_model: str = Field(
-        DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory"
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the target, the drafter and the scheduler every target group runs"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="target shards (ranks) in one target group")
     num_target_groups: int = Field(
         1, ge=1, description="independent copies of the target, each a tensor-parallel group"
     )
-    draft_method: Method = Field("pld", description="drafter: none (plain decoding, no draft actors), pld or draft")
-    draft_model: str = Field(
-        "layer-skip:6", description="draft model for draft_method=draft: a model name/path or 'layer-skip:N'"
-    )
     num_draft_actors: int = Field(
-        1, ge=0, description="draft actors; must be >= 1 unless draft_method is none, where it is ignored"
+        1, ge=0, description="draft actors; must be >= 1 unless engine.method is none, where it is ignored"
     )
     gpus_per_draft_actor: float = Field(
         1, ge=0, description="GPUs of one draft actor; a fraction lets Ray put several actors on one GPU"
@@ -70,24 +65,24 @@ class ClusterSpec(BaseModel):
     @model_validator(mode="after")
     def _drafter_has_actors(self) -> ClusterSpec:
         """A drafter with no actor to run it would leave every request without proposals."""
-        if self.draft_method != "none" and self.num_draft_actors < 1:
+        if self.engine.method != "none" and self.num_draft_actors < 1:
             raise ValueError(
-                f"num_draft_actors must be >= 1 when draft_method is {self.draft_method!r} "
-                "(use draft_method='none' for plain decoding without draft actors)"
+                f"num_draft_actors must be >= 1 when engine.method is {self.engine.method!r} "
+                "(use engine.method='none' for plain decoding without draft actors)"
             )
         return self
 
     @property
     def draft_actor_count(self) -> int:
         """Draft actors actually placed: none for plain decoding, whatever num_draft_actors says."""
-        return 0 if self.draft_method == "none" else self.num_draft_actors
+        return 0 if self.engine.method == "none" else self.num_draft_actors
 
     def target_bundles(self) -> list[Bundle]:
         """Bundles of one target group, one per tensor-parallel rank (rank i runs in bundle i)."""
         return [_bundle(self.gpus_per_target_shard, self.cpus_per_actor) for _ in range(self.tensor_parallel_size)]
 
     def draft_bundles(self) -> list[Bundle]:
-        """Bundles of all draft actors (actor i runs in bundle i); empty when draft_method is none."""
+        """Bundles of all draft actors (actor i runs in bundle i); empty when engine.method is none."""
         return [_bundle(self.gpus_per_draft_actor, self.cpus_per_actor) for _ in range(self.draft_actor_count)]
 
     def total(self, resource: str) -> float:
@@ -164,7 +159,7 @@ class Placement:
     def _draft_group(self) -> PlacementGroup:
         """The draft group, or a clear error instead of Ray's confusing one about a None group."""
         if self.drafts is None:
-            raise PlacementError("no draft actors were placed (draft_method='none' or released)")
+            raise PlacementError("no draft actors were placed (engine.method='none' or released)")
         return self.drafts
 
 

@@ -7,6 +7,7 @@ import pytest
 import ray
 from pydantic import ValidationError
 
+from cluster.config import EngineConfig
 from cluster.placement import ClusterSpec, PlacementError, actor_options, reserve, target_group_strategy
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 
@@ -31,7 +32,7 @@ def wait_for_gpus(expected: float, timeout_s: float = 10) -> None:
 
 @on_ray
 def test_target_shards_and_drafts_get_disjoint_gpus():
-    spec = ClusterSpec(tensor_parallel_size=2, num_draft_actors=2, draft_method="draft")
+    spec = ClusterSpec(tensor_parallel_size=2, num_draft_actors=2, engine=EngineConfig(method="draft"))
     placement = reserve(spec)
     try:
         assert placement.notes == []
@@ -66,7 +67,7 @@ def test_spec_larger_than_cluster_fails_fast_with_the_numbers():
 def test_groups_that_cannot_be_reserved_time_out_and_are_removed():
     holder = reserve(ClusterSpec(tensor_parallel_size=2, num_draft_actors=2))
     try:
-        spec = ClusterSpec(draft_method="none", placement_timeout_s=0.5)
+        spec = ClusterSpec(engine=EngineConfig(method="none"), placement_timeout_s=0.5)
         expected = r"not ready after 0.5 s: target group 0\. .*needs 1 GPU, 0 CPU; .*had 0 GPU"
         with pytest.raises(PlacementError, match=expected):
             reserve(spec)
@@ -78,7 +79,7 @@ def test_groups_that_cannot_be_reserved_time_out_and_are_removed():
 
 @on_ray
 def test_plain_decoding_places_no_draft_actors():
-    spec = ClusterSpec(draft_method="none", num_draft_actors=3)
+    spec = ClusterSpec(engine=EngineConfig(method="none"), num_draft_actors=3)
     assert spec.draft_bundles() == [] and spec.total_gpus() == 1
     placement = reserve(spec)
     try:
@@ -91,8 +92,8 @@ def test_plain_decoding_places_no_draft_actors():
 
 
 def test_drafter_without_draft_actors_is_rejected_naming_the_field():
-    with pytest.raises(ValidationError, match="num_draft_actors must be >= 1 when draft_method is 'draft'"):
-        ClusterSpec(draft_method="draft", num_draft_actors=0)
+    with pytest.raises(ValidationError, match="num_draft_actors must be >= 1 when engine.method is 'draft'"):
+        ClusterSpec(engine=EngineConfig(method="draft"), num_draft_actors=0)
     with pytest.raises(ValidationError, match="extra"):
         ClusterSpec(num_gpus=4)
 
