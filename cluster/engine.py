@@ -104,8 +104,10 @@ class SpecEngine:
         config: SchedulerConfig = SchedulerConfig(),
         eos_token_ids: Iterable[int] = (),
         rebuild_target: Callable[[], Worker] | None = None,
+        vocab_size: int | None = None,
     ):
         self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self.rebuild_target = rebuild_target
         eos = set(eos_token_ids)
@@ -120,13 +122,19 @@ class SpecEngine:
 
     # ---- requests in and out ------------------------------------------------------------------
 
-    def add(self, request: GenerationRequest) -> None:
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse a request the engine cannot serve, with a message naming the field."""
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if not request.prompt_ids:
             raise ValueError("prompt is empty")
         if len(request.prompt_ids) >= self.config.max_len:
             raise ValueError(f"prompt has {len(request.prompt_ids)} tokens; the limit is {self.config.max_len - 1}")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
         if request.request_id in self.active or any(r.request_id == request.request_id for r in self.waiting):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if not request.sampling.greedy and request.sampling.seed is None:
@@ -263,13 +271,18 @@ class SpecEngine:
         """Every active request lived in the failed group's caches: end them, rebuild the group."""
         log.error("target worker failed: %s", error)
         self.counters.target_failures += 1
+        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=False)
+        if self.rebuild_target is not None:
+            self.target = self.rebuild_target()
+        return events
+
+    def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
+        """End every active request with a retryable error (waiting requests stay queued)."""
         self._pending_drafts.clear()
         events = []
         for state in list(self.active.values()):
-            state.finish_reason, state.error = "error", f"{TARGET_FAILED} ({type(error).__name__})"
-            events.append(StepEvent(state.request.request_id, [], self._finish(state, notify_target=False)))
-        if self.rebuild_target is not None:
-            self.target = self.rebuild_target()
+            state.finish_reason, state.error = "error", reason
+            events.append(StepEvent(state.request.request_id, [], self._finish(state, notify_target)))
         return events
 
     # ---- output -------------------------------------------------------------------------------

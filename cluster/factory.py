@@ -51,7 +51,7 @@ def local_engine(
     worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
-    return SpecEngine(worker, tokenizer, drafters, config, eos)
+    return SpecEngine(worker, tokenizer, drafters, config, eos, vocab_size=target.config.vocab_size)
 
 
 def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerBase]:

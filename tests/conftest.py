@@ -52,3 +52,18 @@ def default_model_path():
     from actors.model.loader import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_path):
+    """A tiny random Llama saved as a Hugging Face directory (with the default model's tokenizer,
+    which only decodes text here), for code paths that load models by path: Ray actors."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    _, reference = tiny_pair(dtype=torch.float32)
+    reference.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_path / name).exists():
+            shutil.copy(default_model_path / name, path / name)
+    return path
