@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_specbench_arguments(specbench)
     add_engine_arguments(specbench)
     specbench.set_defaults(func=run_specbench)
+
+    from bench.cluster_bench import add_arguments as add_cluster_bench_arguments, run as run_cluster_bench
+
+    cluster_bench = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)")
+    add_cluster_bench_arguments(cluster_bench)
+    add_engine_arguments(cluster_bench)
+    cluster_bench.set_defaults(func=run_cluster_bench)
     return parser
 
 

@@ -20,6 +20,8 @@ class SchedulerConfig(BaseModel):
     max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
     max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
     max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
+    lookahead: LookaheadConfig = Field(
+        default_factory=LookaheadConfig, description="lookahead of a request that does not choose its own")
     step_token_budget: int = Field(
         256, ge=0, description="drafted tokens per step for the whole micro-batch, shared equally: "
         "speculation shrinks per request as load grows")
@@ -44,7 +46,6 @@ class EngineConfig(SchedulerConfig):
     pld_num_pred_tokens: int = Field(10, ge=1, le=64, description="prompt lookup: tokens copied after a match")
     pld_max_ngram_size: int = Field(2, ge=1, le=16, description="prompt lookup: longest n-gram matched")
     pld_max_branches: int = Field(1, ge=1, le=16, description="prompt lookup: earlier matches merged into one tree")
-    lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig, description="default lookahead of a request")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
     attention_backend: str = Field("sdpa", description="attention kernel: sdpa")

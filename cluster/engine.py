@@ -177,7 +177,7 @@ class SpecEngine:
         for request in admitted:
             sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
             gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
-            state = _Active(request, make_policy(request.lookahead), gate, list(request.prompt_ids),
+            state = _Active(request, make_policy(request.lookahead or self.config.lookahead), gate, list(request.prompt_ids),
                             sizes.index(min(sizes)), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             self.active[request.request_id] = state

@@ -16,7 +16,8 @@ class GenerationRequest:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     speculate: bool = True
-    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    lookahead: LookaheadConfig | None = None
+    """None: the engine's default."""
     arrival_time: float = field(default_factory=time.perf_counter)
 
 
