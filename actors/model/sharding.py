@@ -7,6 +7,7 @@ Splits are as even as possible, so a model with 3 KV heads still runs on 2 ranks
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class ShardPlan:
 class Communicator:
     """Collectives a sharded decoder needs; the single-process version does nothing."""
 
+    rank = 0
     world_size = 1
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -56,3 +58,7 @@ class Communicator:
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """`obj` as rank `src` holds it, on every rank: how one rank's decision reaches the others."""
+        return obj

@@ -1,0 +1,148 @@
+"""Tensor-parallel targets on Ray (fake GPUs, CPU compute): TP=2 decodes exactly as TP=1.
+
+Shards run as Ray actors joined in a gloo group (Ray gives each actor OMP_NUM_THREADS=1). Each
+model's TP=1 and TP=2 groups take 3 of the 4 fake GPUs, so the groups are a module fixture
+parametrized by model: pytest finishes one model's tests and frees its groups before the next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from actors.target_worker import TargetGroup
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree
+from tests.cluster.ray_fixtures import local_ray
+from tests.conftest import tiny_hf_config
+
+CALL_TIMEOUT_S = 60
+
+
+@dataclass
+class Case:
+    path: str
+    dtype: str
+    prompt: list[int]
+    vocab_size: int
+    new_tokens: int
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    with local_ray(num_gpus=4):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random GQA Llama (4 heads over 2 KV heads) whose vocabulary and MLP split unevenly on 2 ranks.
+
+    float64, so TP=1 and TP=2 (which sum in different orders) cannot disagree on an argmax.
+    """
+    torch.manual_seed(0)
+    config = tiny_hf_config(
+        vocab_size=101, hidden_size=64, intermediate_size=129, num_hidden_layers=3, initializer_range=0.2
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).to(torch.float64).save_pretrained(path)
+    return path
+
+
+def tiny_case(request) -> Case:
+    return Case(str(request.getfixturevalue("tiny_model_dir")), "float64", [3, 17, 42, 5, 99, 64, 8], 101, 16)
+
+
+def default_case(request) -> Case:
+    """SmolLM2-135M: 3 KV heads, split 2 + 1 over 2 ranks; tied embeddings split by vocabulary."""
+    from actors.model.loader import load_tokenizer
+
+    path = request.getfixturevalue("default_model_path")
+    prompt = load_tokenizer(path).encode("The capital of France is")
+    return Case(str(path), "float32", prompt, 49152, 12)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(tiny_case, id="tiny"), pytest.param(default_case, id="smollm2", marks=pytest.mark.default_model)],
+)
+def model(request):
+    """A model case and its TP=1 and TP=2 groups, shut down when its tests are done."""
+    case = request.param(request)
+    groups = {}
+    try:
+        for size in (1, 2):
+            groups[size] = TargetGroup(case.path, size, max_sequences=2, max_len=128, dtype=case.dtype)
+        yield case, groups
+    finally:
+        for group in groups.values():
+            group.shutdown()
+
+
+def call(group: TargetGroup, method: str, *args):
+    return group.submit(method, *args).result(CALL_TIMEOUT_S)
+
+
+def greedy_decode(group: TargetGroup, seq_id: str, prompt: list[int], steps: int, trees: dict | None = None):
+    """Greedy tokens from `steps` verify calls: plain decoding (a root-only tree) except at the steps
+    named in `trees`, which map the last token to a multi-branch tree to verify instead."""
+    call(group, "start", [(seq_id, prompt, SamplingParams())])
+    tokens = []
+    for step in range(steps):
+        last = tokens[-1] if tokens else prompt[-1]
+        tree = (trees or {}).get(step, DraftTree.root_only)(last)
+        tokens += call(group, "verify", [(seq_id, tree)])[0].new_tokens
+    call(group, "finish", seq_id)
+    return tokens
+
+
+def tree_at(step: int, reference: list[int], vocab_size: int) -> dict:
+    """At `step`, a tree whose middle branch is the reference's next 3 tokens and whose other
+    branches go wrong at once or after one token: 3 accepted tokens plus a bonus if all is well."""
+    good = reference[step:step + 3]
+    wrong = [(token + 1) % vocab_size for token in good]
+    return {step: lambda root: DraftTree.from_paths(root, [[wrong[0], good[1]], good, [good[0], wrong[1]]])}
+
+
+def test_tp2_greedy_tokens_equal_tp1(model):
+    case, groups = model
+    reference = greedy_decode(groups[1], "ref", case.prompt, case.new_tokens)
+    assert len(set(reference)) > 3  # a model that repeats one token would prove little
+    assert greedy_decode(groups[2], "plain", case.prompt, case.new_tokens) == reference
+    # 6 plain steps, then one tree step that yields 4 tokens, then plain steps to the same length
+    trees = tree_at(6, reference, case.vocab_size)
+    assert greedy_decode(groups[2], "tree", case.prompt, case.new_tokens - 3, trees) == reference
+
+
+def test_tp2_ranks_each_hold_about_half_the_weights(model):
+    _, groups = model
+    (full,), ranks = groups[1].parameter_bytes(), groups[2].parameter_bytes()
+    assert all(part < 0.7 * full for part in ranks), (ranks, full)
+    assert sum(ranks) == pytest.approx(full, rel=0.05)
+
+
+def test_a_verifier_error_reaches_every_rank_and_the_group_goes_on(model):
+    """Only rank 0 runs the verifier: its error must be broadcast, or rank 1 would wait forever."""
+    case, groups = model
+    call(groups[2], "start", [("bad", case.prompt, SamplingParams(temperature=1.0, seed=0))])
+    malformed = DraftTree.chain(case.prompt[-1], [50], draft_probs=torch.full((2, 5), 0.2))  # 5-token q
+    with pytest.raises(Exception, match="IndexError"):
+        call(groups[2], "verify", [("bad", malformed)])
+    call(groups[2], "finish", "bad")
+    assert greedy_decode(groups[2], "after", case.prompt, 2) == greedy_decode(groups[1], "after", case.prompt, 2)
+
+
+def test_tp_size_above_kv_heads_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor parallel size 3 exceeds the model's 2 KV heads"):
+        TargetGroup(str(tiny_model_dir), 3)
+
+
+def test_group_answers_pings_until_shut_down(tiny_model_dir):
+    group = TargetGroup(str(tiny_model_dir), 1, max_len=32, dtype="float64")
+    assert group.alive()
+    group.shutdown()
+    assert not group.alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        group.submit("ping")
