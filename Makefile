@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test test-all bench serve clean
+.PHONY: setup test test-all bench serve protos clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,14 @@ test-all: setup
 
 bench: setup
 	$(VENV)/bin/specserve bench specbench --limit 5
+
+# HTTP on 8000 (OpenAI-compatible), gRPC on 9000; Ctrl-C stops it.
+serve: setup
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run configs/serve.yaml
+
+# regenerate the committed gRPC modules after editing protos/specserve.proto
+protos: setup
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. protos/specserve.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

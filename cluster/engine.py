@@ -118,6 +118,7 @@ class SpecEngine:
         self.active: dict[str, _Active] = {}
         self.counters = EngineCounters()
         self._pending_drafts: dict[int, tuple[Future, list[str]]] = {}
+        self._pending_starts: list[tuple[Future, list[str]]] = []
         self._next_group = 0
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -173,7 +174,8 @@ class SpecEngine:
             return
         now = time.perf_counter()
         # no wait: the worker runs calls in order, so the prefill lands before the next verify
-        self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+        start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+        self._pending_starts.append((start, [r.request_id for r in admitted]))
         for request in admitted:
             sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
             gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
@@ -224,11 +226,27 @@ class SpecEngine:
             self.counters.draft_wait_seconds += time.perf_counter() - began
         return dict(zip(request_ids, trees))
 
+    def _check_starts(self) -> list[StepEvent]:
+        """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
+        events = []
+        for future, request_ids in self._pending_starts:
+            try:
+                future.result()
+            except Exception as error:
+                log.error("prefill failed: %s", error)
+                for request_id in request_ids:
+                    state = self.active[request_id]
+                    state.finish_reason, state.error = "error", f"prefill failed: {error}"
+                    events.append(StepEvent(request_id, [], self._finish(state)))
+        self._pending_starts.clear()
+        return events
+
     def step(self) -> list[StepEvent]:
         """Verify one micro-batch (all active requests when pipelining is off)."""
         self._admit()
-        if not self.active:
-            return []
+        failed = self._check_starts()
+        if failed or not self.active:
+            return failed
         group = self._next_group
         self._next_group = (group + 1) % self._num_groups
         states = [s for s in self.active.values() if s.group == group]
@@ -271,7 +289,8 @@ class SpecEngine:
         """Every active request lived in the failed group's caches: end them, rebuild the group."""
         log.error("target worker failed: %s", error)
         self.counters.target_failures += 1
-        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=False)
+        # a group about to be rebuilt is not told anything; one that stays must free the slots
+        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
         if self.rebuild_target is not None:
             self.target = self.rebuild_target()
         return events
@@ -279,6 +298,7 @@ class SpecEngine:
     def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
         """End every active request with a retryable error (waiting requests stay queued)."""
         self._pending_drafts.clear()
+        self._pending_starts.clear()
         events = []
         for state in list(self.active.values()):
             state.finish_reason, state.error = "error", reason

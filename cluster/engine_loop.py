@@ -31,6 +31,10 @@ class EngineLoop:
         self._thread.start()
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def load(self) -> int:
         """Requests submitted and not finished: a router sends new work to the loop with the least."""
         return self._held

@@ -7,10 +7,12 @@ checks every field and names the bad one (InvalidRequest -> HTTP 400 / INVALID_A
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,10 +23,24 @@ from speculators.lookahead import LookaheadConfig
 from speculators.sampling import SamplingParams
 
 
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class Observer(Protocol):
+    """Where the service reports what it served (cluster/metrics.py records it for Prometheus)."""
+
+    def chunk(self, tokens: int, seconds_since_last: float) -> None: ...
+
+    def finished(self, output: GenerationOutput, protocol: str) -> None: ...
+
+
 class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # crosses Ray process boundaries (a replica's error reaches the proxy)
+        return type(self), (self.field, self.message)
 
 
 class Overloaded(RuntimeError):
@@ -63,7 +79,8 @@ class RequestOptions(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None
+    """None: DEFAULT_MAX_NEW_TOKENS, within the deployment's limit."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -81,9 +98,10 @@ class SpecService:
         method: str,
         default_lookahead: LookaheadConfig,
         limits: ServiceLimits = ServiceLimits(),
+        observer: Observer | None = None,
     ):
         self.loops, self.tokenizer, self.model_id, self.method = list(loops), tokenizer, model_id, method
-        self.default_lookahead, self.limits = default_lookahead, limits
+        self.default_lookahead, self.limits, self.observer = default_lookahead, limits, observer
         self.in_flight = 0
 
     # ---- auth and validation -----------------------------------------------------------------
@@ -132,7 +150,10 @@ class SpecService:
         return self.default_lookahead.model_copy(update=updates)
 
     def build_request(self, options: RequestOptions, request_id: str | None = None) -> GenerationRequest:
-        if not 1 <= options.max_new_tokens <= self.limits.max_new_tokens:
+        max_new_tokens = options.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
+        if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"must be in [1, {self.limits.max_new_tokens}]")
         try:
             sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
@@ -144,11 +165,16 @@ class SpecService:
             raise InvalidRequest("speculation.method", f"this deployment drafts with {self.method!r}; use it, 'default' or 'off'")
         if any(not isinstance(s, str) or not s for s in options.stop):
             raise InvalidRequest("stop", "stop strings must be non-empty strings")
-        return GenerationRequest(
-            request_id or uuid.uuid4().hex, self._prompt_ids(options), sampling, options.max_new_tokens,
+        request = GenerationRequest(
+            request_id or uuid.uuid4().hex, self._prompt_ids(options), sampling, max_new_tokens,
             list(options.stop), speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation),
         )
+        try:
+            self.loops[0].engine.validate(request)  # the engine's own limits (context window, vocabulary)
+        except ValueError as error:
+            raise InvalidRequest("prompt", str(error)) from None
+        return request
 
     @staticmethod
     def parse_options(payload: dict) -> RequestOptions:
@@ -167,17 +193,25 @@ class SpecService:
             raise Overloaded(f"{self.in_flight} requests in flight; the limit is {self.limits.max_concurrent_requests}")
         return min(self.loops, key=lambda loop: loop.load)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StepEvent]:
+    async def stream(self, request: GenerationRequest, protocol: str = "http") -> AsyncIterator[StepEvent]:
         loop = self._loop()
         self.in_flight += 1
+        last = time.perf_counter()
         try:
-            async for event in loop_stream(loop, request):
-                yield event
+            async with contextlib.aclosing(loop_stream(loop, request)) as events:  # abort at once when closed
+                async for event in events:
+                    if self.observer:
+                        now = time.perf_counter()
+                        self.observer.chunk(len(event.new_token_ids), now - last)
+                        last = now
+                        if event.finished:
+                            self.observer.finished(event.finished, protocol)
+                    yield event
         finally:
             self.in_flight -= 1
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutput:
-        async for event in self.stream(request):
+    async def generate(self, request: GenerationRequest, protocol: str = "http") -> GenerationOutput:
+        async for event in self.stream(request, protocol):
             if event.finished:
                 return event.finished
         raise RuntimeError("the engine ended the stream without a final output")

@@ -177,3 +177,8 @@ def test_same_seed_same_result():
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_any_64_bit_seed_makes_a_generator():
+    for seed in (0, 2**62 - 1, 2**64 - 1):
+        SamplingParams(1.0, seed=seed).generator(salt=1)
