@@ -34,7 +34,7 @@ class SamplingParams:
         if self.seed is None:
             generator.seed()
         else:
-            generator.manual_seed(self.seed * 1_000_003 + salt)
+            generator.manual_seed((self.seed * 1_000_003 + salt) % 2**63)  # torch seeds are 64-bit
         return generator
 
 
