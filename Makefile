@@ -27,9 +27,16 @@ test-all: setup
 bench: setup
 	$(VENV)/bin/specserve bench specbench --limit 5
 
-# HTTP on 8000 (OpenAI-compatible), gRPC on 9000; Ctrl-C stops it.
+# HTTP on 8000 (OpenAI-compatible), gRPC on 9000, Prometheus metrics on $(METRICS_PORT); Ctrl-C stops
+# it all. A local Ray head is started first so that the metrics port is fixed; token auth is off
+# for this single-machine cluster (Ray 2.60 turns it on for new clusters).
+METRICS_PORT ?= 8080
 serve: setup
-	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run configs/serve.yaml
+	@export RAY_AUTH_MODE=disabled; \
+	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
+		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
+	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT; \
+	$(VENV)/bin/serve run --address auto configs/serve.yaml
 
 # regenerate the committed gRPC modules after editing protos/specserve.proto
 protos: setup
