@@ -35,7 +35,7 @@ serve: setup
 	@export RAY_AUTH_MODE=disabled; \
 	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
 		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
-	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT; \
+	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT INT TERM; \
 	$(VENV)/bin/serve run --address auto configs/serve.yaml
 
 # regenerate the committed gRPC modules after editing protos/specserve.proto
