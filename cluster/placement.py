@@ -180,11 +180,11 @@ def reserve(spec: ClusterSpec) -> Placement:
     check_capacity(spec, ray.cluster_resources())
     available = ray.available_resources()
     target_bundles, draft_bundles = spec.target_bundles(), spec.draft_bundles()
-    strategy = target_group_strategy(target_bundles, ray.nodes())
+    check_group_fits_a_node(target_bundles, ray.nodes())
     placement = Placement(
-        target_groups=[placement_group(target_bundles, strategy=strategy) for _ in range(spec.num_target_groups)],
+        target_groups=[placement_group(target_bundles, strategy="STRICT_PACK") for _ in range(spec.num_target_groups)],
         drafts=placement_group(draft_bundles, strategy="SPREAD") if draft_bundles else None,
-        notes=_notes(spec, strategy),
+        notes=_notes(spec),
     )
     _wait_ready(placement, spec, available)
     return placement
@@ -201,28 +201,27 @@ def check_capacity(spec: ClusterSpec, cluster: dict[str, float]) -> None:
             )
 
 
-def target_group_strategy(bundles: list[Bundle], nodes: Iterable[dict]) -> str:
-    """STRICT_PACK (one node, fast all-reduce) when some alive node could hold the whole group, else PACK.
+def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict]) -> None:
+    """Refuse a target group no alive node can hold: its shards rendezvous on 127.0.0.1 and all-reduce
+    on every step, so they are always packed on one node (STRICT_PACK), never scattered.
 
-    `nodes` is what `ray.nodes()` returns. A node's total resources are compared, not what is free now:
-    a group that fits a busy node waits for it rather than being scattered.
+    `nodes` is what `ray.nodes()` returns. Node totals are compared, not what is free now: a group
+    that fits a busy node waits for it.
     """
     need = _sum(bundles)
     for node in nodes:
         resources = node.get("Resources", {})
         if node.get("Alive") and all(resources.get(name, 0.0) >= amount for name, amount in need.items()):
-            return "STRICT_PACK"
-    return "PACK"
+            return
+    raise PlacementError(
+        f"no alive node can hold a whole target group ({_format(need)}): the shards of a "
+        "tensor-parallel group must share a node; lower tensor_parallel_size or add bigger nodes"
+    )
 
 
-def _notes(spec: ClusterSpec, strategy: str) -> list[str]:
+def _notes(spec: ClusterSpec) -> list[str]:
     """Compromises made for this spec, kept for logs: where the placement is weaker than promised."""
     notes = []
-    if strategy != "STRICT_PACK":
-        notes.append(
-            f"no alive node holds a whole target group ({_format(_sum(spec.target_bundles()))}); "
-            f"its shards are placed with {strategy} and may span nodes"
-        )
     if any(amount % 1 for amount in (spec.gpus_per_target_shard, spec.gpus_per_draft_actor)):
         notes.append("fractional GPUs per actor: Ray may give several actors (draft or target) the same GPU")
     return notes

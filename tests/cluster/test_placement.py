@@ -8,7 +8,7 @@ import ray
 from pydantic import ValidationError
 
 from cluster.config import EngineConfig
-from cluster.placement import ClusterSpec, PlacementError, actor_options, reserve, target_group_strategy
+from cluster.placement import ClusterSpec, PlacementError, actor_options, check_group_fits_a_node, reserve
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 
 on_ray = pytest.mark.usefixtures("ray_four_gpus")
@@ -106,10 +106,11 @@ def test_bundles_and_actor_options():
     assert actor_options({"CPU": 0.01}) == {"num_gpus": 0.0, "num_cpus": 0.01}
 
 
-def test_target_group_falls_back_to_pack_when_no_node_holds_it():
+def test_a_target_group_no_node_can_hold_is_refused():
     nodes = [
         {"Alive": True, "Resources": {"GPU": 2.0, "CPU": 8.0}},
         {"Alive": False, "Resources": {"GPU": 8.0, "CPU": 8.0}},
     ]
-    assert target_group_strategy([{"GPU": 1}] * 2, nodes) == "STRICT_PACK"
-    assert target_group_strategy([{"GPU": 1}] * 4, nodes) == "PACK"
+    check_group_fits_a_node([{"GPU": 1}] * 2, nodes)
+    with pytest.raises(PlacementError, match="must share a node"):
+        check_group_fits_a_node([{"GPU": 1}] * 4, nodes)
