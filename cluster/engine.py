@@ -79,6 +79,15 @@ class _Active:
 
 
 @dataclass
+class _PendingDraft:
+    future: Future
+    request_ids: list[str]
+    submitted: float
+    """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
+    by its requests as their draft time."""
+
+
+@dataclass
 class StepEvent:
     request_id: str
     new_token_ids: list[int]
@@ -117,7 +126,7 @@ class SpecEngine:
         self.waiting: deque[GenerationRequest] = deque()
         self.active: dict[str, _Active] = {}
         self.counters = EngineCounters()
-        self._pending_drafts: dict[int, tuple[Future, list[str]]] = {}
+        self._pending_drafts: dict[int, _PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._next_group = 0
 
@@ -202,29 +211,34 @@ class SpecEngine:
                                            state.policy.threshold, request.sampling))
         return drafts
 
-    def _submit_draft(self, group: int, states: list[_Active]) -> tuple[Future, list[str]] | None:
+    def _submit_draft(self, group: int, states: list[_Active]) -> _PendingDraft | None:
         if not self.drafters:
             return None
         requests = self._draft_requests(states)
         if not requests:
             return None
         drafter = self.drafters[group % len(self.drafters)]
-        return drafter.submit("propose", requests), [r.request_id for r in requests]
+        return _PendingDraft(drafter.submit("propose", requests), [r.request_id for r in requests], time.perf_counter())
 
-    def _collect_draft(self, pending: tuple[Future, list[str]] | None) -> dict[str, DraftTree]:
+    def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
             return {}
-        future, request_ids = pending
         began = time.perf_counter()
         try:
-            trees = future.result()
+            trees = pending.future.result()
         except Exception as error:  # a dead or restarting draft actor: decode plainly this step
             self.counters.draft_failures += 1
-            log.warning("drafter failed (%s); %d requests decode without speculation this step", error, len(request_ids))
+            log.warning("drafter failed (%s); %d requests decode without speculation this step",
+                        error, len(pending.request_ids))
             return {}
         finally:
-            self.counters.draft_wait_seconds += time.perf_counter() - began
-        return dict(zip(request_ids, trees))
+            done = time.perf_counter()
+            self.counters.draft_wait_seconds += done - began
+        share = (done - pending.submitted) / len(pending.request_ids)
+        for request_id in pending.request_ids:
+            if request_id in self.active:
+                self.active[request_id].stats.draft_seconds += share
+        return dict(zip(pending.request_ids, trees))
 
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""

@@ -163,3 +163,17 @@ def test_sampled_output_follows_the_target(width):
     assert counts[~keep].sum() == 0  # nothing outside top-k
     expected = exact[keep] / exact[keep].sum() * samples
     assert chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+def test_per_request_statistics_add_up(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    outputs = run_engine(model, make_proposer("draft-tree", model, 4), PROMPTS)
+    for output in outputs:
+        stats = output.stats
+        assert stats.target_forwards >= 1 and stats.accepted <= stats.drafted
+        assert len(output.token_ids) == stats.accepted + stats.target_forwards  # one bonus or recovered token a pass
+        assert sum(stats.accepted_per_position) == stats.accepted
+        assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+        assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
+        assert stats.draft_seconds > 0 and stats.verify_seconds > 0 and stats.queue_seconds >= 0
+        assert stats.time_to_first_token is not None
