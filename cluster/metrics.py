@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from cluster.engine import EngineCounters
 from cluster.engine_loop import EngineLoop
 from cluster.request import GenerationOutput
 
@@ -36,14 +36,6 @@ NAMES = {
 }
 
 
-@dataclass
-class _Totals:
-    steps: int = 0
-    tokens: int = 0
-    verify_seconds: float = 0.0
-    draft_wait_seconds: float = 0.0
-
-
 class ServingMetrics:
     def __init__(self):
         d = NAMES
@@ -60,7 +52,7 @@ class ServingMetrics:
         self.verify_step = Gauge("specserve_verify_step_seconds", d["specserve_verify_step_seconds"])
         self.queue_depth = Gauge("specserve_queue_depth", d["specserve_queue_depth"])
         self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
-        self._last = _Totals()
+        self._last = EngineCounters()
         self._last_time = time.monotonic()
         self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "tokens_per_step": 1.0}
 
@@ -88,7 +80,7 @@ class ServingMetrics:
     def sample(self, loops: Sequence[EngineLoop]) -> dict[str, float]:
         """Update the per-replica gauges; returns the autoscaling stats of the last period."""
         engines = [loop.engine for loop in loops]
-        now = _Totals(
+        now = EngineCounters(
             steps=sum(e.counters.steps for e in engines), tokens=sum(e.counters.tokens for e in engines),
             verify_seconds=sum(e.counters.verify_seconds for e in engines),
             draft_wait_seconds=sum(e.counters.draft_wait_seconds for e in engines),
