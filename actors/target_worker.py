@@ -43,10 +43,6 @@ class TargetWorker:
     def max_len(self) -> int:
         return self.runner.max_len
 
-    @property
-    def free_sequences(self) -> int:
-        return self.runner.free_sequences
-
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
         """Admit requests and prefill every prompt token but the last (the first tree's root)."""
         for seq_id, prompt, sampling in requests:
@@ -92,10 +88,6 @@ class TargetWorker:
         if isinstance(outcome, str):
             raise RuntimeError(outcome)
         return outcome
-
-    def room(self, seq_id: str) -> int:
-        """How many more tokens fit in this sequence's cache."""
-        return self.max_len - self.runner.committed_length(seq_id)
 
     def finish(self, seq_id: str) -> None:
         self.runner.remove(seq_id)

@@ -48,9 +48,6 @@ class RequestStats:
         """Tokens gained per verification pass, bonus included (plain decoding = 1.0)."""
         return new_tokens / self.target_forwards if self.target_forwards else 0.0
 
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
 
 @dataclass
 class GenerationOutput:

@@ -34,10 +34,6 @@ class KVCache:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def allocate(self) -> int:
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV cache slots are in use")
@@ -69,7 +65,3 @@ class KVCache:
         end = start + len(offsets)
         for store in (self.keys, self.values):
             store[:, slot, :, start:end] = store[:, slot].index_select(2, source)
-
-    def bytes_per_token(self) -> int:
-        layers, _, heads, _, dim = self.keys.shape
-        return 2 * layers * heads * dim * self.keys.element_size()

@@ -37,10 +37,6 @@ class ModelRunner:
     def max_len(self) -> int:
         return self.cache.max_len
 
-    @property
-    def free_sequences(self) -> int:
-        return self.cache.free_slots
-
     def add(self, seq_id: str) -> None:
         if seq_id in self._sequences:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
