@@ -16,8 +16,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, load_questions, machine
-from cluster.cli import encode_prompt, lookahead_from_args
-from cluster.request import GenerationRequest
+from cluster.engine.build import encode_prompt, engine_config_from_args
+from cluster.engine.request import GenerationRequest
+from cluster.engine.stats import mean_accepted_tokens
 
 SETTINGS = (("plain", False, False), ("speculative", True, False), ("speculative+pipeline", True, True))
 
@@ -54,7 +55,8 @@ def run_setting(cluster, prompts: list[list[int]], speculate: bool, pipeline: bo
         "step_seconds": seconds / steps if steps else None,
         "verify_seconds_per_step": (engine.counters.verify_seconds - before[1]) / steps if steps else None,
         "draft_wait_seconds_per_step": (engine.counters.draft_wait_seconds - before[2]) / steps if steps else None,
-        "mean_accepted_tokens": tokens / forwards if forwards else None,
+        "forwards": forwards,
+        "mean_accepted_tokens": mean_accepted_tokens(tokens, forwards),
         "token_ids": [o.token_ids for o in outputs],
     }
 
@@ -69,8 +71,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "step_seconds": round(seconds / steps, 4) if steps else None,
             "verify_seconds_per_step": round(sum(r["verify_seconds_per_step"] * r["steps"] for r in results) / steps, 4),
             "draft_wait_seconds_per_step": round(sum(r["draft_wait_seconds_per_step"] * r["steps"] for r in results) / steps, 4),
-            "mean_accepted_tokens": round(sum(r["tokens"] for r in results) /
-                                          sum(r["tokens"] / r["mean_accepted_tokens"] for r in results), 3),
+            "mean_accepted_tokens": round(mean_accepted_tokens(tokens, sum(r["forwards"] for r in results)), 3),
         }
     plain = summary["plain"]["tokens_per_s"]
     for values in summary.values():
@@ -95,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.model.loader import load_tokenizer
-    from cluster.config import EngineConfig
-    from cluster.placement import ClusterSpec
-    from cluster.runtime import SpecCluster
+    from cluster.runtime.placement import ClusterSpec
+    from cluster.runtime.spec_cluster import SpecCluster
 
     if not ray.is_initialized():
         ray.init(address="local", num_gpus=args.fake_gpus, include_dashboard=False)
@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions)
     step = max(1, len(questions) // args.concurrency)
     prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions[::step][: args.concurrency]]
-    engine = EngineConfig(model=args.model, method=args.method, draft=args.draft, max_sequences=args.concurrency,
-                          max_len=args.max_len, lookahead=lookahead_from_args(args))
+    engine = engine_config_from_args(args, args.method, max_sequences=args.concurrency)
     spec = ClusterSpec(engine=engine, tensor_parallel_size=args.tensor_parallel, num_draft_actors=args.draft_actors)
     cluster = SpecCluster(spec).start()
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in SETTINGS}

@@ -9,15 +9,13 @@ its own plain decoding is the fair comparison, while absolute CPU speed of diffe
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from actors.model.loader import KNOWN_MODELS, _packaged_gguf, resolve_model
-from cluster.config import LAYER_SKIP_PREFIX
+from actors.model.loader import gguf_file, resolve_model
+from cluster.engine.config import LAYER_SKIP_PREFIX, EngineConfig
 
 HF_PEERS = ("hf", "hf-pld", "hf-assisted")
 LLAMA_CPP_PEERS = ("llama-cpp", "llama-cpp-pld")
@@ -59,12 +57,12 @@ def finished(token_ids: list[int], eos_token_ids: Collection[int], max_new_token
 
 
 def build_peers(
-    names: Collection[str], args: argparse.Namespace, eos_token_ids: Collection[int], pad_token_id: int,
+    names: Collection[str], config: EngineConfig, eos_token_ids: Collection[int], pad_token_id: int,
 ) -> tuple[list[Runner], dict[str, str]]:
     """Runners for the peers that can run here, and a note for each one that cannot."""
     runners, notes = [], {}
-    builders = ((HF_PEERS, lambda wanted: _hf_runners(wanted, args, eos_token_ids, pad_token_id)),
-                (LLAMA_CPP_PEERS, lambda wanted: _llama_cpp_runners(wanted, args, eos_token_ids)))
+    builders = ((HF_PEERS, lambda wanted: _hf_runners(wanted, config, eos_token_ids, pad_token_id)),
+                (LLAMA_CPP_PEERS, lambda wanted: _llama_cpp_runners(wanted, config, eos_token_ids)))
     for family, build in builders:
         wanted = [name for name in family if name in names]
         if not wanted:
@@ -79,23 +77,23 @@ def build_peers(
 
 
 def _hf_runners(
-    wanted: list[str], args: argparse.Namespace, eos_token_ids: Collection[int], pad_token_id: int,
+    wanted: list[str], config: EngineConfig, eos_token_ids: Collection[int], pad_token_id: int,
 ) -> tuple[list[Runner], dict[str, str]]:
     """transformers `generate` on one shared copy of the target: plain, prompt lookup, assisted."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
-    options: dict[str, dict] = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": args.pld_tokens}}
+    dtype = getattr(torch, config.dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=dtype).eval()
+    options: dict[str, dict] = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": config.prompt_lookup_num_tokens}}
     if hasattr(GenerationConfig(), "max_matching_ngram_size"):
-        options["hf-pld"]["max_matching_ngram_size"] = args.pld_ngram
+        options["hf-pld"]["max_matching_ngram_size"] = config.prompt_lookup_max_ngram_size
     notes = {}
     if "hf-assisted" in wanted:
-        if args.draft.startswith(LAYER_SKIP_PREFIX):
-            notes["hf-assisted"] = (f"skipped: draft {args.draft!r} is our layer-skip self-draft, which "
+        if config.draft.startswith(LAYER_SKIP_PREFIX):
+            notes["hf-assisted"] = (f"skipped: draft {config.draft!r} is our layer-skip self-draft, which "
                                     "transformers cannot use; pass --draft <model> to run it")
         else:
-            assistant = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft), dtype=dtype).eval()
+            assistant = AutoModelForCausalLM.from_pretrained(resolve_model(config.draft), dtype=dtype).eval()
             options["hf-assisted"] = {"assistant_model": assistant}
     common = {"do_sample": False, "eos_token_id": sorted(eos_token_ids), "pad_token_id": pad_token_id}
 
@@ -112,16 +110,8 @@ def _hf_runners(
     return [runner(name) for name in wanted if name in options], notes
 
 
-def _gguf_file(model: str) -> Path | None:
-    """The GGUF behind --model, if there is one: llama.cpp cannot read safetensors directories."""
-    if model in KNOWN_MODELS:
-        return _packaged_gguf(model)
-    path = Path(model).expanduser()
-    return path if path.suffix == ".gguf" and path.is_file() else None
-
-
 def _llama_cpp_runners(
-    wanted: list[str], args: argparse.Namespace, eos_token_ids: Collection[int],
+    wanted: list[str], config: EngineConfig, eos_token_ids: Collection[int],
 ) -> tuple[list[Runner], dict[str, str]]:
     """llama-cpp-python on the target's GGUF: plain, and LlamaPromptLookupDecoding.
 
@@ -132,12 +122,12 @@ def _llama_cpp_runners(
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError as error:
         return [], {name: f"skipped: llama_cpp is not importable ({error})" for name in wanted}
-    gguf = _gguf_file(args.model)
+    gguf = gguf_file(config.model)
     if gguf is None:
-        return [], {name: f"skipped: model {args.model!r} is not a GGUF file or known name" for name in wanted}
+        return [], {name: f"skipped: model {config.model!r} is not a GGUF file or known name" for name in wanted}
 
     def runner(name: str) -> Runner:
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=args.pld_tokens, max_ngram_size=args.pld_ngram) \
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=config.prompt_lookup_num_tokens, max_ngram_size=config.prompt_lookup_max_ngram_size) \
             if name == "llama-cpp-pld" else None
         # logits_all: its prompt lookup fails on prompts over 512 tokens without it
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=torch.get_num_threads(),

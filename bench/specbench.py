@@ -26,15 +26,16 @@ from pathlib import Path
 import torch
 
 from bench.peers import PEERS, Generation, Runner, build_peers, with_baselines
-from cluster.cli import encode_prompt, engine_config_from_args, lookahead_from_args
-from cluster.factory import build_engine
-from cluster.request import GenerationRequest
+from cluster.engine.build import build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.request import GenerationRequest
+from cluster.engine.stats import mean_accepted_tokens
 
 PLAIN = "none"
 METHODS = ("none", "pld", "draft")
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 """Spec-Bench's six tasks; any other category is one of MT-bench's eight (writing, coding, ...)."""
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared/specbench/question.jsonl"
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "specbench" / "question.jsonl"
+"""Spec-Bench's public dev half (240 questions), shipped with the project; SOURCE.md beside it says where from."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WARMUP_PROMPT, WARMUP_TOKENS = "Say hello.", 8
 _NOT_OPTIONS = ("command", "benchmark", "func")
@@ -102,12 +103,12 @@ def load_questions(path: Path, tasks: list[str] | None = None, limit: int | None
 
 def engine_runner(args: argparse.Namespace, method: str):
     """Our engine for one method, built once: (Runner, engine, tokenizer)."""
-    engine, tokenizer = build_engine(engine_config_from_args(args, method))
-    lookahead = lookahead_from_args(args)
+    config = engine_config_from_args(args, method)
+    engine, tokenizer = build_engine(config)
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> Generation:
         request = GenerationRequest(uuid.uuid4().hex, prompt_ids, max_new_tokens=max_new_tokens,
-                                    speculate=method != PLAIN, lookahead=lookahead)
+                                    speculate=method != PLAIN, lookahead=config.lookahead)
         output = engine.generate([request])[0]
         return Generation(output.token_ids, output.finish_reason, output.stats.target_forwards)
 
@@ -146,7 +147,7 @@ def measure(runner: Runner, question: dict, prompt_ids: list[int], max_new_token
         "seconds": round(seconds, 4),
         "tokens_per_s": round(new / seconds, 3),
         "target_forwards": forwards,
-        "mean_accepted_tokens": round(new / forwards, 4) if forwards else None,
+        "mean_accepted_tokens": round(mean_accepted_tokens(new, forwards), 4) if forwards else None,
         "finish_reason": generation.finish_reason,
         "token_ids": generation.token_ids,
     }
@@ -204,7 +205,7 @@ def summarize_group(records: list[dict], method: str, baseline: str) -> dict:
     forwards = [r["target_forwards"] for r in mine.values()]
     accepted = None
     if mine and all(forwards):
-        accepted = sum(r["new_tokens"] for r in mine.values()) / sum(forwards)
+        accepted = mean_accepted_tokens(sum(r["new_tokens"] for r in mine.values()), sum(forwards))
     matches = [r["matches_plain"] for r in mine.values() if r["matches_plain"] is not None]
     own_matches = [r["matches_own_plain"] for r in mine.values() if r["matches_own_plain"] is not None]
     return {
@@ -326,7 +327,7 @@ def build_runners(args: argparse.Namespace, notes: dict[str, str]):
     if args.peers:
         log(f"loading peers: {', '.join(with_baselines(args.peers))}")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-        peers, skipped = build_peers(with_baselines(args.peers), args, eos, pad)
+        peers, skipped = build_peers(with_baselines(args.peers), engine_config_from_args(args), eos, pad)
         runners += peers
         notes.update(skipped)
     return runners, tokenizer

@@ -13,22 +13,41 @@ from functools import cached_property
 import torch
 
 
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i (parent -1 = none)."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, parent in enumerate(parents):
+def extend_ancestors(
+    mask: torch.Tensor, depths: Sequence[int], parents: Sequence[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """Grow a tree's ancestor mask and depths by new nodes whose parents index the tree (-1 = none).
+
+    `mask` [n, n] and `depths` [n] describe the nodes so far; returns the [n + m, n + m] mask and
+    the m + n depths. One home for the rule, used for whole draft trees and for a model runner's
+    scratch tree, which grows over several calls.
+    """
+    old, size = len(depths), len(depths) + len(parents)
+    grown = torch.zeros(size, size, dtype=torch.bool)
+    grown[:old, :old] = mask
+    depths = list(depths)
+    for index, parent in enumerate(parents, start=old):
+        if not -1 <= parent < index:
+            raise ValueError(f"node {index} has parent {parent}; parents must precede children")
         if parent >= 0:
-            mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
+            grown[index] = grown[parent]
+        grown[index, index] = True
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return grown, depths
+
+
+def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """(ancestor mask [N, N], depths [N]) of a whole tree: node i may attend to node j iff j is i or
+    an ancestor of i."""
+    return extend_ancestors(torch.zeros(0, 0, dtype=torch.bool), [], parents)
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    return ancestry(parents)[0]
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
+    return ancestry(parents)[1]
 
 
 def chain_parents(length: int, first_parent: int = -1) -> list[int]:
@@ -94,16 +113,20 @@ class DraftTree:
         return len(self.token_ids) - 1
 
     @cached_property
+    def _ancestry(self) -> tuple[torch.Tensor, list[int]]:
+        return ancestry(self.parents)
+
+    @property
     def depths(self) -> list[int]:
-        return node_depths(self.parents)
+        return self._ancestry[1]
 
     @property
     def max_depth(self) -> int:
         return max(self.depths)
 
-    @cached_property
+    @property
     def mask(self) -> torch.Tensor:
-        return ancestor_mask(self.parents)
+        return self._ancestry[0]
 
     @cached_property
     def children(self) -> list[list[int]]:

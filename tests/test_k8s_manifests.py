@@ -27,17 +27,17 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from cluster.placement import ClusterSpec
-from cluster.service import ServiceLimits
+from cluster.runtime.placement import ClusterSpec
+from cluster.serve.service import ServiceLimits
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
 CONFIG_DIR = REPO / "configs"
 CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
 GPU_EXAMPLE = CONFIG_DIR / "gpu-llama3-8b-tp2-draft1b.yaml"
-IMPORT_PATH = "cluster.app:build_app"
-ROUTER = "SpecRouter"
-ARGS_FIELDS = {"cluster", "limits", "model_id"}  # cluster.app.AppArgs, which forbids anything else
+IMPORT_PATH = "cluster.serve.app:build_app"
+ROUTER = "SpecServer"
+ARGS_FIELDS = {"cluster", "limits", "model_id"}  # cluster.serve.app.AppArgs, which forbids anything else
 GPU_RESOURCE = "nvidia.com/gpu"
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 1 MB each
@@ -215,12 +215,12 @@ def applications(config: dict) -> list[dict]:
 
 
 def router(app: dict) -> dict:
-    """The SpecRouter entry of an application's deployments ({} when the config leaves it default)."""
+    """The SpecServer entry of an application's deployments ({} when the config leaves it default)."""
     return next((d for d in app.get("deployments", []) if d.get("name") == ROUTER), {})
 
 
 def max_replicas(app: dict) -> int:
-    """The most SpecRouter replicas Serve may run: autoscaling max_replicas, else num_replicas."""
+    """The most SpecServer replicas Serve may run: autoscaling max_replicas, else num_replicas."""
     deployment = router(app)
     if deployment.get("autoscaling_config"):
         return deployment["autoscaling_config"]["max_replicas"]
@@ -230,7 +230,7 @@ def max_replicas(app: dict) -> int:
 
 
 def replica_needs(app: dict, spec: ClusterSpec) -> dict[str, float]:
-    """What one SpecRouter replica reserves: its own actor plus its placement groups."""
+    """What one SpecServer replica reserves: its own actor plus its placement groups."""
     options = router(app).get("ray_actor_options", {})
     return {
         "GPU": options.get("num_gpus", 0) + spec.total("GPU"),
@@ -366,20 +366,14 @@ def test_rayservice_exposes_serve_ports(doc):
 
 @pytest.mark.parametrize("doc", [pytest.param(doc, id=name) for name, doc in manifests_of("RayService")])
 def test_rayservice_application_imports(doc):
-    """Serve imports the builder and the gRPC servicer functions on the cluster; import them here.
-
-    cluster/app.py is being written alongside these manifests: while it does not exist the builder
-    check is an expected failure, and from the moment it exists it must pass.
-    """
+    """Serve imports the builder and the gRPC servicer functions on the cluster; import them here."""
     config = yaml.load(doc["spec"]["serveConfigV2"], Loader=Loader)
     for function in config.get("grpc_options", {}).get("grpc_servicer_functions", []):
         assert callable(resolve(function)), function
     apps = applications(config)
     assert apps and all(app["import_path"] == IMPORT_PATH for app in apps)
-    if not (REPO / "cluster" / "app.py").exists():
-        pytest.xfail("cluster/app.py does not exist yet (the Serve application is being written)")
     assert callable(resolve(IMPORT_PATH))
-    app_args = resolve("cluster.app:AppArgs")
+    app_args = resolve("cluster.serve.app:AppArgs")
     for app in apps:
         app_args.model_validate(app.get("args") or {})
 
@@ -414,7 +408,7 @@ def test_limits_fit_kv_cache(config):
 def capacity_problems(config: dict, cluster_spec: dict) -> list[str]:
     """Why a Serve config cannot be placed on a Ray cluster spec at full scale ([] when it can).
 
-    - At max_replicas, the GPUs and CPUs every SpecRouter replica reserves (its own actor plus its
+    - At max_replicas, the GPUs and CPUs every SpecServer replica reserves (its own actor plus its
       target groups and draft actors) must fit the worker pods at maxReplicas. A config asking for
       more could never be placed: Ray leaves the placement groups pending and says nothing.
     - A target group's shards rendezvous on 127.0.0.1, so a whole group must fit one pod; and

@@ -7,6 +7,7 @@ Hugging Face checkpoints so state dicts load as they are.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -196,22 +197,38 @@ class LlamaDecoder(nn.Module):
         return self.model.norm(hidden)
 
 
+def decoder_from_tensors(
+    config: DecoderConfig,
+    tensors: dict[str, torch.Tensor],
+    plan: ShardPlan = ShardPlan(),
+    comm: Communicator | None = None,
+    attention_backend: str = "sdpa",
+    source: str = "checkpoint",
+) -> LlamaDecoder:
+    """A decoder whose parameters are the given tensors themselves (no copy): how checkpoints are
+    loaded and how a self-draft shares its target's weights. Extra tensors are ignored."""
+    with torch.device("meta"):
+        model = LlamaDecoder(config, plan, comm, attention_backend)
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - set(tensors)
+    if missing:
+        raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    model.load_state_dict({name: tensors[name] for name in expected}, strict=False, assign=True)
+    model.rotary = RotaryEmbedding(config).to(model.device)  # its buffers were created on meta
+    return model
+
+
+def layer_skip_config(config: DecoderConfig, num_layers: int) -> DecoderConfig:
+    """The config of a self-draft made of a target's first `num_layers` layers."""
+    if not 0 < num_layers < config.num_layers:
+        raise ValueError(f"layer-skip draft needs 1..{config.num_layers - 1} layers, got {num_layers}")
+    return dataclasses.replace(config, num_layers=num_layers)
+
+
 def layer_skip_draft(target: LlamaDecoder, num_layers: int) -> LlamaDecoder:
     """A self-draft: the target's first `num_layers` layers, its final norm and its LM head.
 
     The weights are shared with the target (no extra memory); the draft keeps its own KV cache.
     """
-    if not 0 < num_layers < target.num_layers:
-        raise ValueError(f"layer-skip draft needs 1..{target.num_layers - 1} layers, got {num_layers}")
-    draft = LlamaDecoder.__new__(LlamaDecoder)
-    nn.Module.__init__(draft)
-    draft.config, draft.plan, draft.comm, draft.backend = target.config, target.plan, target.comm, target.backend
-    draft.vocab_start, draft.vocab_end = target.vocab_start, target.vocab_end
-    backbone = Backbone.__new__(Backbone)
-    nn.Module.__init__(backbone)
-    backbone.embed_tokens, backbone.norm = target.model.embed_tokens, target.model.norm
-    backbone.layers = nn.ModuleList(target.model.layers[:num_layers])
-    draft.model, draft.rotary = backbone, target.rotary
-    if not target.config.tie_word_embeddings:
-        draft.lm_head = target.lm_head
-    return draft
+    return decoder_from_tensors(layer_skip_config(target.config, num_layers), dict(target.named_parameters()),
+                                target.plan, target.comm, target.backend.name)

@@ -7,7 +7,6 @@ safetensors slices, so a tensor-parallel rank never holds the full model.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from actors.model.config import DecoderConfig
-from actors.model.llama import LlamaDecoder
+from actors.model.llama import LlamaDecoder, decoder_from_tensors, layer_skip_config
 from actors.model.sharding import Communicator, ShardPlan
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -39,7 +38,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     """A directory with config.json, safetensors and tokenizer files for `name_or_path`."""
     name = str(name_or_path)
     if name in KNOWN_MODELS:
-        return _convert_gguf(_packaged_gguf(name), cache_root() / name)
+        return _convert_gguf(packaged_gguf(name), cache_root() / name)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         stat = path.stat()
@@ -55,7 +54,17 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     )
 
 
-def _packaged_gguf(name: str) -> Path:
+def gguf_file(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file behind a model name or path, if there is one (llama.cpp reads only GGUF)."""
+    name = str(name_or_path)
+    if name in KNOWN_MODELS:
+        return packaged_gguf(name)
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def packaged_gguf(name: str) -> Path:
+    """Where the package that ships a known model keeps its GGUF file."""
     package, filename, hint = KNOWN_MODELS[name]
     spec = importlib.util.find_spec(package)  # the package's __init__ imports things we do not need
     if spec is None or not spec.submodule_search_locations:
@@ -135,12 +144,8 @@ def load_model(
     path = resolve_model(name_or_path)
     config = load_config(path)
     if num_layers is not None:
-        if not 0 < num_layers <= config.num_layers:
-            raise ValueError(f"num_layers must be in 1..{config.num_layers}, got {num_layers}")
-        config = dataclasses.replace(config, num_layers=num_layers)
-    with torch.device("meta"):
-        model = LlamaDecoder(config, plan, comm, attention_backend)
-    expected = {name for name, _ in model.named_parameters()}
+        config = layer_skip_config(config, num_layers)
+    expected = _parameter_names(config)
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, framework="pt") as handle:
@@ -156,9 +161,11 @@ def load_model(
                     start, end = _shard_range(kind, config, plan)
                     tensor = piece[start:end] if dim == 0 else piece[:, start:end]
                 state[name] = tensor.to(dtype)
-    missing = expected - set(state)
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    model.load_state_dict(state, strict=False, assign=True)
-    model.rotary = type(model.rotary)(config)  # buffers were created on meta
+    model = decoder_from_tensors(config, state, plan, comm, attention_backend, source=f"{path}: checkpoint")
     return model.to(device).eval()
+
+
+def _parameter_names(config: DecoderConfig) -> set[str]:
+    """The checkpoint tensors a decoder of this config reads (names as in Hugging Face checkpoints)."""
+    with torch.device("meta"):
+        return {name for name, _ in LlamaDecoder(config).named_parameters()}

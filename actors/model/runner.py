@@ -15,6 +15,7 @@ import torch
 from actors.model.kv_cache import CacheFullError, KVCache
 from actors.model.llama import LlamaDecoder, Segment
 from speculators.proposers.base import TreeInput
+from speculators.tree import extend_ancestors
 
 
 @dataclass
@@ -56,24 +57,13 @@ class ModelRunner:
     def scratch_size(self, seq_id: str) -> int:
         return len(self._sequences[seq_id].scratch_parents)
 
-    def _extend_scratch(self, state: _SequenceState, parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    @staticmethod
+    def _extend_scratch(state: _SequenceState, parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         """Append new nodes to the scratch tree; return their mask rows over the scratch and depths."""
         old = len(state.scratch_parents)
-        size = old + len(parents)
-        mask = torch.zeros(size, size, dtype=torch.bool)
-        mask[:old, :old] = state.scratch_mask
-        depths = list(state.scratch_depths)
-        for offset, parent in enumerate(parents):
-            index = old + offset
-            if not -1 <= parent < index:
-                raise ValueError(f"scratch node {index} has parent {parent}; parents must precede children")
-            if parent >= 0:
-                mask[index] = mask[parent]
-            mask[index, index] = True
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        state.scratch_mask, state.scratch_depths = mask, depths
+        state.scratch_mask, state.scratch_depths = extend_ancestors(state.scratch_mask, state.scratch_depths, parents)
         state.scratch_parents = state.scratch_parents + list(parents)
-        return mask[old:], depths[old:]
+        return state.scratch_mask[old:], state.scratch_depths[old:]
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
         for item in inputs:  # refuse the whole call before any sequence's scratch changes

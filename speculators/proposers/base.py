@@ -22,11 +22,11 @@ class DraftRequest:
     request_id: str
     token_ids: Sequence[int]
     """Everything committed so far (prompt and output); the last token is the tree root."""
-    max_depth: int
+    num_speculative_tokens: int
     """How deep this step may draft (the lookahead policy's answer)."""
     max_nodes: int
     """How many drafted nodes this request may use (its share of the step's budget)."""
-    threshold: float = 0.0
+    confidence_threshold: float = 0.0
     """Confidence rule: a token the drafter gives less than this ends its branch."""
     sampling: SamplingParams = SamplingParams()
 

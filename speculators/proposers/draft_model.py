@@ -37,6 +37,15 @@ class _Draft:
     probs_rows: list[torch.Tensor | None] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     open_branches: list[_Branch] = field(default_factory=list)
+    scratch_of: dict[int, int] = field(default_factory=lambda: {0: -1})
+    """Tree node -> its index in the draft model's scratch (TreeInput parents), for the nodes the
+    draft has run. The root is already committed in the draft model, which TreeInput calls -1."""
+
+    def run(self, nodes: list[int], scratch_start: int) -> TreeInput:
+        """The input that runs `nodes` (children of nodes already run) after `scratch_start` scratch tokens."""
+        parents = [self.scratch_of[self.tree_parents[n]] for n in nodes]
+        self.scratch_of.update((node, scratch_start + i) for i, node in enumerate(nodes))
+        return TreeInput(self.request.request_id, [self.tree_tokens[n] for n in nodes], parents, logits="all")
 
 
 class DraftModelProposer(Proposer):
@@ -48,7 +57,8 @@ class DraftModelProposer(Proposer):
             raise ValueError("width must be >= 1")
         self.model, self.width = model, width
         self._generators: dict[str, torch.Generator] = {}
-        self._last_trees: dict[str, DraftTree] = {}
+        self._last_drafts: dict[str, tuple[DraftTree, dict[int, int]]] = {}
+        """request id -> its last tree and that tree's scratch_of, to keep the accepted path's K/V."""
 
     def _generator(self, request: DraftRequest) -> torch.Generator | None:
         if request.sampling.greedy:
@@ -78,7 +88,7 @@ class DraftModelProposer(Proposer):
         drafts = []
         for request, logits in zip(requests, root_logits):
             draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0])
-            if request.max_depth > 0 and request.max_nodes > 0:
+            if request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.open_branches = [_Branch(0, logits)]
             drafts.append(draft)
         depth = 0
@@ -93,16 +103,14 @@ class DraftModelProposer(Proposer):
                 break
             extend = [(d, nodes) for d, nodes in inputs if d.open_branches]
             logits = self.model.forward([
-                TreeInput(d.request.request_id, [d.tree_tokens[n] for n in nodes],
-                          [d.tree_parents[n] - 1 for n in nodes], logits="all")
-                for d, nodes in extend
+                d.run(nodes, self.model.scratch_size(d.request.request_id)) for d, nodes in extend
             ])
             for (draft, nodes), rows in zip(extend, logits):
                 tips = {branch.node for branch in draft.open_branches}
                 draft.open_branches = [_Branch(n, rows[i]) for i, n in enumerate(nodes) if n in tips]
         trees = [self._tree(d) for d in drafts]
-        for request, tree in zip(requests, trees):
-            self._last_trees[request.request_id] = tree
+        for draft, tree in zip(drafts, trees):
+            self._last_drafts[draft.request.request_id] = (tree, draft.scratch_of)
         return trees
 
     def _grow(self, draft: _Draft, depth: int) -> list[int]:
@@ -130,7 +138,7 @@ class DraftModelProposer(Proposer):
                 own = float(raw[token] if q is None else q[token])
                 draft.confidence.append(own)
                 new_nodes.append(node)
-                if own >= request.threshold and depth < request.max_depth:
+                if own >= request.confidence_threshold and depth < request.num_speculative_tokens:
                     still_open.append(_Branch(node, branch.logits))
         draft.open_branches = still_open
         return new_nodes
@@ -150,25 +158,23 @@ class DraftModelProposer(Proposer):
         if len(token_ids) <= seen:
             self.model.truncate(request_id, len(token_ids))
             return
-        # scratch index = tree index - 1; the target's new tokens past the root, minus the last
-        # (the bonus / recovered token, which the draft has not run yet)
+        # the target's new tokens past the root, minus the last (the bonus / recovered token,
+        # which the draft has not run yet)
         accepted = list(token_ids[seen:])[:-1]
-        path = self._scratch_path(request_id, accepted)
-        self.model.commit(request_id, path)
+        self.model.commit(request_id, self._scratch_path(request_id, accepted))
 
     def _scratch_path(self, request_id: str, accepted: list[int]) -> list[int]:
-        """Scratch indices of the accepted drafted tokens (scratch index = tree index - 1 for the
-        nodes the draft ran; the deepest layer of a tree is never run)."""
-        tree = self._last_trees.get(request_id)
+        """Scratch indices of the accepted drafted tokens that the draft has run (the deepest layer
+        of a tree is never run)."""
+        tree, scratch_of = self._last_drafts.get(request_id, (None, {}))
         if tree is None:
             return []
-        ran = self.model.scratch_size(request_id)
         path, node = [], 0
         for token in accepted:
             match = next((k for k in tree.children[node] if tree.token_ids[k] == token), None)
-            if match is None or match > ran:
+            if match is None or match not in scratch_of:
                 break
-            path.append(match - 1)
+            path.append(scratch_of[match])
             node = match
         return path
 
@@ -176,4 +182,4 @@ class DraftModelProposer(Proposer):
         if self.model.has(request_id):
             self.model.remove(request_id)
         self._generators.pop(request_id, None)
-        self._last_trees.pop(request_id, None)
+        self._last_drafts.pop(request_id, None)

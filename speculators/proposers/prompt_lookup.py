@@ -1,7 +1,7 @@
 """Prompt lookup decoding: continue the text by copying what followed the same n-gram earlier.
 
-Parameters as in transformers (`prompt_lookup_num_tokens`, `max_matching_ngram_size`) and
-llama-cpp-python's LlamaPromptLookupDecoding (`num_pred_tokens`, `max_ngram_size`). Beyond them,
+`num_tokens` and `max_ngram_size` are transformers' `prompt_lookup_num_tokens` and
+`max_matching_ngram_size` (llama-cpp-python's `num_pred_tokens` and `max_ngram_size`). Beyond them,
 `max_branches` > 1 turns several earlier matches into the branches of one tree, so the target
 checks all of them in the same pass.
 """
@@ -38,16 +38,16 @@ class PromptLookupProposer(Proposer):
     name = "pld"
     provides_probabilities = False
 
-    def __init__(self, num_pred_tokens: int = 10, max_ngram_size: int = 2, max_branches: int = 1):
-        if num_pred_tokens < 1 or max_ngram_size < 1 or max_branches < 1:
-            raise ValueError("num_pred_tokens, max_ngram_size and max_branches must be >= 1")
-        self.num_pred_tokens, self.max_ngram_size, self.max_branches = num_pred_tokens, max_ngram_size, max_branches
+    def __init__(self, num_tokens: int = 10, max_ngram_size: int = 2, max_branches: int = 1):
+        if num_tokens < 1 or max_ngram_size < 1 or max_branches < 1:
+            raise ValueError("num_tokens, max_ngram_size and max_branches must be >= 1")
+        self.num_tokens, self.max_ngram_size, self.max_branches = num_tokens, max_ngram_size, max_branches
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         trees = []
         for request in requests:
             root = request.token_ids[-1]
-            depth = min(self.num_pred_tokens, request.max_depth)
+            depth = min(self.num_tokens, request.num_speculative_tokens)
             if depth == 0 or request.max_nodes == 0:
                 trees.append(DraftTree.root_only(root))
                 continue

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from actors.target_worker import TargetGroup
+from actors.target_group import TargetGroup
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from tests.cluster.ray_fixtures import local_ray

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench import peers, specbench
-from cluster import cli
+from cluster.engine.config import EngineConfig
+from specserve import cli
 
 SUMMARY_KEYS = {"tokens_per_s", "speedup", "mean_accepted_tokens", "match_rate", "questions"}
 
@@ -83,8 +84,9 @@ def test_comma_lists_reject_unknown_names():
 
 
 def peer_args(**overrides):
-    defaults = dict(model="smollm2-135m", draft="layer-skip:6", dtype="float32", pld_tokens=10, pld_ngram=2)
-    return argparse.Namespace(**defaults | overrides)
+    defaults = dict(model="smollm2-135m", draft="layer-skip:6", dtype="float32", prompt_lookup_num_tokens=10,
+                    prompt_lookup_max_ngram_size=2)
+    return EngineConfig(**defaults | overrides)
 
 
 def test_llama_cpp_is_skipped_with_a_note_when_not_importable(monkeypatch):

@@ -15,15 +15,15 @@ def test_longest_ngram_wins_and_recent_matches_come_first():
 def test_several_matches_become_branches():
     tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2]
     assert find_continuations(tokens, 2, 2, 3) == [[4, 0], [3, 0]]
-    tree = PromptLookupProposer(num_pred_tokens=2, max_branches=3).propose(
-        [DraftRequest("r", tokens, max_depth=20, max_nodes=10)])[0]
+    tree = PromptLookupProposer(num_tokens=2, max_branches=3).propose(
+        [DraftRequest("r", tokens, num_speculative_tokens=20, max_nodes=10)])[0]
     assert tree.token_ids == [2, 4, 0, 3, 0] and tree.parents == [-1, 0, 1, 0, 3]
     assert tree.draft_probs is None
 
 
 def test_depth_and_node_budget_are_respected():
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
-    proposer = PromptLookupProposer(num_pred_tokens=10)
+    proposer = PromptLookupProposer(num_tokens=10)
     assert proposer.propose([DraftRequest("r", tokens, 3, 10)])[0].token_ids == [2, 3, 4, 5]
     assert proposer.propose([DraftRequest("r", tokens, 10, 2)])[0].token_ids == [2, 3, 4]
     assert proposer.propose([DraftRequest("r", tokens, 0, 10)])[0].num_drafted == 0
@@ -31,11 +31,11 @@ def test_depth_and_node_budget_are_respected():
 
 def test_prompt_lookup_parameters_are_checked():
     with pytest.raises(ValueError):
-        PromptLookupProposer(num_pred_tokens=0)
+        PromptLookupProposer(num_tokens=0)
 
 
 def test_heuristic_lookahead_grows_and_shrinks():
-    policy = make_policy(LookaheadConfig(policy="heuristic", initial_tokens=5, max_tokens=8))
+    policy = make_policy(LookaheadConfig(policy="heuristic", initial_tokens=5, num_speculative_tokens=8))
     assert policy.depth() == 5
     policy.observe(5, 5)
     assert policy.depth() == 7
@@ -49,13 +49,20 @@ def test_heuristic_lookahead_grows_and_shrinks():
 
 
 def test_fixed_and_confidence_policies():
-    fixed = make_policy(LookaheadConfig(policy="fixed", max_tokens=4))
+    fixed = make_policy(LookaheadConfig(policy="fixed", num_speculative_tokens=4))
     fixed.observe(4, 0)
-    assert fixed.depth() == 4 and fixed.threshold == 0
+    assert fixed.depth() == 4 and fixed.confidence_threshold == 0
     confident = make_policy(LookaheadConfig())
-    assert confident.depth() == 20 and confident.threshold == 0.4
+    assert confident.depth() == 20 and confident.confidence_threshold == 0.4
 
 
 def test_lookahead_config_names_bad_fields():
     with pytest.raises(ValueError, match="threshold"):
         LookaheadConfig(threshold=1.5)
+
+
+def test_lookahead_config_accepts_the_names_of_vllm_transformers_and_earlier_releases():
+    old = LookaheadConfig(max_tokens=7, threshold=0.2)
+    hf = LookaheadConfig(assistant_confidence_threshold=0.2, num_assistant_tokens=3)
+    assert old.num_speculative_tokens == 7 and old.confidence_threshold == 0.2
+    assert hf.confidence_threshold == 0.2 and hf.initial_tokens == 3

@@ -1,0 +1,202 @@
+"""A tensor-parallel target on Ray: `world_size` TargetShard actors on one node, one model.
+
+Each shard joins one torch.distributed group and wraps a TargetWorker over its slice of the
+weights. Every rank runs every call; the collectives inside the forward pass make them one model.
+The driver holds a `TargetGroup`, which has the engine's worker interface (`submit`).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on Python 3.10
+from typing import Any
+
+import torch
+
+from actors.model.distributed import TorchDistributedComm, init_process_group
+from actors.model.loader import load_config, load_model, resolve_model
+from actors.model.sharding import Communicator, ShardPlan
+from actors.target_worker import TargetWorker
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree
+from speculators.verify import VerifyResult
+
+
+class TargetShard:
+    """One tensor-parallel rank of a target: joins the process group, loads its slice, serves calls.
+
+    A plain class; TargetGroup makes it a Ray actor (`ray.remote(TargetShard)`), so importing this
+    module needs no running Ray. A world of one skips the process group: nothing to talk to.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        max_sequences: int = 8,
+        max_len: int = 2048,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ):
+        path = resolve_model(model)
+        comm = Communicator()
+        if world_size > 1:
+            init_process_group(rank, world_size, master_addr, master_port)
+            comm = TorchDistributedComm(load_config(path), device)
+        self.rank = rank
+        decoder = load_model(path, getattr(torch, dtype), device, ShardPlan(rank, world_size), comm)
+        self.worker = TargetWorker(decoder, max_sequences, max_len)
+
+    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
+        self.worker.start(requests)
+
+    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
+        return self.worker.verify(batch)
+
+    def finish(self, seq_id: str) -> None:
+        self.worker.finish(seq_id)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of weights this rank holds: how the split is checked and memory is planned."""
+        return sum(p.numel() * p.element_size() for p in self.worker.model.parameters())
+
+    def ping(self) -> int:
+        return self.rank
+
+
+class TargetGroup:
+    """Driver-side handle of a tensor-parallel target: `world_size` TargetShard actors on one node.
+
+    `submit(method, *args)` sends the same call to every rank and returns one Future. Every rank
+    must receive every call in the same order, or their collectives pair up wrongly and deadlock:
+    Ray runs one caller's calls to one actor in submission order, and a lock here keeps calls from
+    different threads in one order across all ranks. Calls to the shards must go through `submit`.
+
+    `actor_options` gives each rank's Ray options (placement passes its scheduling strategy there);
+    all ranks must land on one node, because they rendezvous on 127.0.0.1.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        world_size: int = 1,
+        *,
+        max_sequences: int = 8,
+        max_len: int = 2048,
+        dtype: str = "float32",
+        device: str = "cpu",
+        actor_options: Sequence[dict[str, Any]] | None = None,
+        ready_timeout_s: float = 600.0,
+    ):
+        import ray
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        # Checked here, from config.json alone: a bad size raised inside the actors would leave
+        # the other ranks waiting at the rendezvous.
+        ShardPlan(0, world_size).validate(load_config(resolve_model(model)))
+        options = list(actor_options) if actor_options is not None else [_default_options()] * world_size
+        if len(options) != world_size:
+            raise ValueError(f"{world_size} ranks need {world_size} actor option dicts, got {len(options)}")
+        self.world_size = world_size
+        self._order = threading.Lock()
+        port, shard_class = _free_port(), ray.remote(TargetShard)
+        self._shards = [
+            shard_class.options(**options[rank]).remote(
+                model, rank, world_size, "127.0.0.1", port, max_sequences, max_len, dtype, device
+            )
+            for rank in range(world_size)
+        ]
+        self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Block until every shard has loaded, so a failed start raises here and not on first use."""
+        import ray
+
+        try:
+            self.submit("ping").result(timeout_s)
+        except FutureTimeoutError:
+            self.shutdown()
+            raise TimeoutError(
+                f"{self.world_size} target shards not ready after {timeout_s:.0f} s (an unsatisfiable "
+                f"resource request waits silently); available: {ray.available_resources()}, "
+                f"cluster: {ray.cluster_resources()}"
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, method: str, *args: Any) -> Future:
+        """Call `method(*args)` on every rank; the Future gives rank 0's result once all ranks are
+        done, or the first rank's error (a failed rank can leave the others stuck in a collective:
+        shut the group down and start a new one)."""
+        if not self._shards:
+            raise RuntimeError("the target group is shut down")
+        with self._order:
+            refs = [getattr(shard, method).remote(*args) for shard in self._shards]
+        return _rank0_when_all_done([ref.future() for ref in refs])
+
+    def parameter_bytes(self) -> list[int]:
+        """Each rank's weight bytes, in rank order."""
+        import ray
+
+        return ray.get([shard.parameter_bytes.remote() for shard in self._shards])
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether every rank answers a ping within `timeout_s` (it waits behind calls in flight)."""
+        try:
+            self.submit("ping").result(timeout_s)
+        except Exception:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        import ray
+
+        for shard in self._shards:
+            ray.kill(shard)
+        self._shards = []
+
+
+def _default_options() -> dict[str, Any]:
+    """One GPU per rank when the cluster has GPUs; num_cpus=0 either way (a GPU actor that also
+    asks for a CPU competes with everything else for the node's few CPU slots)."""
+    import ray
+
+    return {"num_cpus": 0, "num_gpus": 1} if ray.cluster_resources().get("GPU", 0) > 0 else {"num_cpus": 0}
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for rank 0 to listen on during the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank0_when_all_done(futures: list[Future]) -> Future:
+    """One Future for a call on every rank: rank 0's result when all succeed, else the first error."""
+    combined: Future = Future()
+    remaining = len(futures)
+    lock = threading.Lock()
+
+    def on_done(done: Future) -> None:
+        nonlocal remaining
+        error = done.exception()
+        with lock:
+            if combined.done():
+                return
+            if error is not None:
+                combined.set_exception(error)
+                return
+            remaining -= 1
+            if remaining == 0:
+                combined.set_result(futures[0].result())
+
+    for future in futures:
+        future.add_done_callback(on_done)
+    return combined

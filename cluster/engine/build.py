@@ -1,0 +1,118 @@
+"""Builds drafters and an in-process engine from an EngineConfig, and the command-line options that
+make one (shared by `specserve generate` and the benchmarks, with the config's own defaults)."""
+from __future__ import annotations
+
+import argparse
+import typing
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from actors.draft_worker import DraftWorker
+from actors.model.llama import LlamaDecoder, layer_skip_draft
+from actors.model.loader import load_model, load_tokenizer
+from actors.model.runner import ModelRunner
+from actors.target_worker import TargetWorker
+from actors.worker import LocalWorker
+from cluster.engine.config import EngineConfig, SchedulerConfig
+from cluster.engine.spec_engine import SpecEngine
+from speculators.lookahead import LookaheadConfig
+from speculators.proposers.base import Proposer
+from speculators.proposers.draft_model import DraftModelProposer
+from speculators.proposers.prompt_lookup import PromptLookupProposer
+
+
+def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> Proposer | None:
+    """The configured drafter. A layer-skip draft shares `target`'s weights when given one, and
+    otherwise loads only the first N layers itself (a draft actor on its own devices)."""
+    if config.method == "none":
+        return None
+    if config.method == "pld":
+        return PromptLookupProposer(config.prompt_lookup_num_tokens, config.prompt_lookup_max_ngram_size,
+                                    config.prompt_lookup_max_branches)
+    dtype = getattr(torch, config.dtype)
+    layers = config.layer_skip_layers()
+    if layers is not None and target is not None:
+        draft = layer_skip_draft(target, layers)
+    elif layers is not None:
+        draft = load_model(config.model, dtype, config.device, attention_backend=config.attention_backend, num_layers=layers)
+    else:
+        draft = load_model(config.draft, dtype, config.device, attention_backend=config.attention_backend)
+    if target is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft {config.draft!r} has {draft.config.vocab_size} tokens, the target "
+            f"{target.config.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    return DraftModelProposer(ModelRunner(draft, config.max_sequences, config.max_len), width=config.draft_width)
+
+
+def local_engine(
+    target: LlamaDecoder,
+    tokenizer,
+    proposer: Proposer | None,
+    config: SchedulerConfig = SchedulerConfig(),
+    eos_token_ids=(),
+) -> SpecEngine:
+    """An engine whose target and drafter run in this process (each on its own thread)."""
+    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len), "target")
+    drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
+    eos = set(eos_token_ids) | set(target.config.eos_token_ids)
+    return SpecEngine(worker, tokenizer, drafters, config, eos, vocab_size=target.config.vocab_size)
+
+
+def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerBase]:
+    tokenizer = load_tokenizer(config.model)
+    target = load_model(config.model, getattr(torch, config.dtype), config.device, attention_backend=config.attention_backend)
+    return local_engine(target, tokenizer, build_proposer(config, target), config), tokenizer
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Prompt token ids, through the model's chat template when `chat` (as Spec-Bench does)."""
+    if chat:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer.encode(prompt)
+
+
+# ---- command-line options ----------------------------------------------------------------------
+
+ENGINE_OPTIONS = {
+    ("--model",): "model",
+    ("--draft",): "draft",
+    ("--draft-width",): "draft_width",
+    ("--pld-tokens", "--prompt-lookup-num-tokens"): "prompt_lookup_num_tokens",
+    ("--pld-ngram", "--prompt-lookup-max-ngram-size"): "prompt_lookup_max_ngram_size",
+    ("--pld-branches", "--prompt-lookup-max-branches"): "prompt_lookup_max_branches",
+    ("--max-tree-nodes",): "max_tree_nodes",
+    ("--max-len",): "max_len",
+    ("--dtype",): "dtype",
+    ("--lookahead",): "lookahead.policy",
+    ("--lookahead-tokens", "--num-speculative-tokens"): "lookahead.num_speculative_tokens",
+    ("--threshold", "--confidence-threshold"): "lookahead.confidence_threshold",
+}
+"""Options -> EngineConfig fields (dotted for the lookahead's); type, default and help come from the field."""
+
+
+def _field(path: str):
+    section, _, name = path.rpartition(".")
+    return (LookaheadConfig if section == "lookahead" else EngineConfig).model_fields[name]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    for flags, path in ENGINE_OPTIONS.items():
+        field = _field(path)
+        default = field.get_default(call_default_factory=True)
+        kind = field.annotation
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        parser.add_argument(*flags, dest=path, default=default, type=type(default), choices=choices,
+                            help=field.description)
+
+
+def engine_config_from_args(args: argparse.Namespace, method: str | None = None, **overrides) -> EngineConfig:
+    """The EngineConfig the options describe; `method` and `overrides` set further fields."""
+    values: dict = {"max_sequences": 1, **({} if method is None else {"method": method})}
+    lookahead: dict = {}
+    for path in ENGINE_OPTIONS.values():
+        section, _, name = path.rpartition(".")
+        (lookahead if section == "lookahead" else values)[name] = getattr(args, path)
+    return EngineConfig(**{**values, "lookahead": LookaheadConfig(**lookahead), **overrides})

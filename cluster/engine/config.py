@@ -1,0 +1,68 @@
+"""Engine configuration: which target, which drafter, how much speculation, how much memory.
+
+Fields use the names vLLM and transformers users know where one exists
+(`prompt_lookup_num_tokens`); the names of earlier releases stay accepted as aliases, so old serve
+configs keep working.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from actors.model.loader import DEFAULT_MODEL
+from speculators.lookahead import LookaheadConfig
+
+Method = Literal["none", "pld", "draft"]
+LAYER_SKIP_PREFIX = "layer-skip:"
+
+
+class SchedulerConfig(BaseModel):
+    """How the engine batches and how much it speculates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
+    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
+    max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
+    lookahead: LookaheadConfig = Field(
+        default_factory=LookaheadConfig, description="lookahead of a request that does not choose its own")
+    step_token_budget: int = Field(
+        256, ge=0, description="drafted tokens per step for the whole micro-batch, shared equally: "
+        "speculation shrinks per request as load grows")
+    pipeline: bool = Field(False, description="split requests into two micro-batches so one is drafted while the other is verified")
+    min_acceptance: float = Field(
+        0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
+    gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
+    gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
+
+
+class EngineConfig(SchedulerConfig):
+    """A whole in-process engine: target, drafter and scheduler."""
+
+    model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
+    method: Method = Field("pld", description="drafter: none (plain decoding), pld (prompt lookup) or draft (a draft model)")
+    draft: str = Field(
+        "layer-skip:6",
+        description="draft model for method=draft: a model name/path with the target's tokenizer, or "
+        "'layer-skip:N' for a self-draft made of the target's first N layers",
+    )
+    draft_width: int = Field(1, ge=1, le=16, description="draft model: branches at the root of each tree")
+    prompt_lookup_num_tokens: int = Field(
+        10, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
+        description="prompt lookup: most tokens copied after a match (alias pld_num_pred_tokens)")
+    prompt_lookup_max_ngram_size: int = Field(
+        2, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_ngram_size", "pld_max_ngram_size"),
+        description="prompt lookup: longest n-gram matched (alias pld_max_ngram_size)")
+    prompt_lookup_max_branches: int = Field(
+        1, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
+        description="prompt lookup: earlier matches merged into one tree (alias pld_max_branches)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
+    device: str = Field("cpu", description="torch device of the model")
+    attention_backend: str = Field("sdpa", description="attention kernel: sdpa")
+
+    def layer_skip_layers(self) -> int | None:
+        """N of a 'layer-skip:N' draft, else None."""
+        if self.draft.startswith(LAYER_SKIP_PREFIX):
+            return int(self.draft[len(LAYER_SKIP_PREFIX):])
+        return None

@@ -1,0 +1,129 @@
+"""Runs a SpecEngine on its own thread, so callers (the CLI, a Serve replica) only submit and listen.
+
+The engine itself is single-threaded: every call into it happens on the loop thread. Other threads
+hand requests and aborts over through a queue; each request's step events come back through the
+callback given with it (called on the loop thread: keep it short, e.g. hand over to asyncio).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.engine.spec_engine import SpecEngine, StepEvent
+
+log = logging.getLogger(__name__)
+EventCallback = Callable[[StepEvent], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: SpecEngine, name: str = "engine"):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, EventCallback] = {}
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def load(self) -> int:
+        """Requests submitted and not finished: a router sends new work to the loop with the least."""
+        return self._held
+
+    def _count(self, change: int) -> None:
+        with self._held_lock:
+            self._held += change
+
+    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+        """Queue a request; invalid ones are refused here, in the caller's thread."""
+        self.engine.validate(request)
+        self._count(+1)
+        self._inbox.put(("add", request, on_event))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout_s)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while True:
+            kind, payload, callback = item
+            if kind == "add":
+                self._add(payload, callback)
+            elif kind == "abort":
+                self._abort(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request: GenerationRequest, callback: EventCallback) -> None:
+        try:
+            self.engine.add(request)
+        except ValueError as error:
+            self._count(-1)
+            callback(StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
+            return
+        self._callbacks[request.request_id] = callback
+
+    def _abort(self, request_id: str) -> None:
+        callback = self._callbacks.pop(request_id, None)
+        output = self.engine.abort(request_id)
+        if callback:
+            self._count(-1)
+            if output:
+                callback(StepEvent(request_id, [], output))
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not self.engine.has_work)
+            if not self.engine.has_work:
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:  # a bug must not silently kill the loop and hang every client
+                log.exception("engine step failed")
+                events = self.engine.fail_all("internal engine error")
+            for event in events:
+                callback = self._callbacks.get(event.request_id)
+                if event.finished and self._callbacks.pop(event.request_id, None):
+                    self._count(-1)
+                if callback:
+                    callback(event)
+
+
+def least_loaded(loops: Sequence[EngineLoop]) -> EngineLoop:
+    """Where a router sends new work: the loop holding the fewest unfinished requests."""
+    return min(loops, key=lambda loop: loop.load)
+
+
+async def stream(loop: EngineLoop, request: GenerationRequest) -> AsyncIterator[StepEvent]:
+    """The request's step events as an async iterator; leaving early (a cancelled client) aborts it."""
+    events: asyncio.Queue[StepEvent] = asyncio.Queue()
+    running = asyncio.get_running_loop()
+    loop.submit(request, lambda event: running.call_soon_threadsafe(events.put_nowait, event))
+    finished = False
+    try:
+        while not finished:
+            event = await events.get()
+            finished = event.finished is not None
+            yield event
+    finally:
+        if not finished:
+            loop.abort(request.request_id)

@@ -1,0 +1,45 @@
+"""A generation request as the engine sees it, and its final output."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.engine.stats import RequestStats
+from speculators.lookahead import LookaheadConfig
+from speculators.sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    speculate: bool = True
+    lookahead: LookaheadConfig | None = None
+    """None: the engine's default."""
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """'stop' (EOS or a stop string), 'length' (max_new_tokens or the context window), 'abort', 'error'."""
+    stats: RequestStats
+    seconds: float
+    """From admission (prefill included) to the last token."""
+    error: str | None = None
+    """Why the request failed (finish_reason 'error'); such errors are retryable."""
+
+    @classmethod
+    def refused(cls, request: GenerationRequest, reason: str) -> GenerationOutput:
+        """The output of a request the engine would not take."""
+        return cls(request.request_id, [], "", "error", RequestStats(), 0.0, reason)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.stats.mean_accepted_tokens(len(self.token_ids))

@@ -1,0 +1,285 @@
+"""The speculative decoding engine: admit, draft, verify in one batched pass, commit, stream.
+
+Requests join and leave between steps (continuous batching). A step drafts a tree for each active
+request of one micro-batch, verifies all of them in a single packed forward of the target worker
+(group), and commits each request's accepted tokens. With `pipeline` on, active requests are split
+into two micro-batches bound to their own drafter: while the target verifies one, the other is
+drafted, so a step costs about max(draft, verify) instead of their sum.
+
+Workers are reached through `submit(method, *args) -> Future` (actors/worker.py), so the same
+code drives in-process workers and Ray actors. A drafter that fails costs its micro-batch one plain
+step; a target that fails ends the requests it held with a retryable error and is rebuilt.
+
+Other jobs live beside this module: what a request drafts (drafting.py), how one request's output
+grows and ends (sequence.py, text.py) and what is counted (stats.py).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from actors.worker import Worker
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.drafting import draft_requests
+from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.engine.sequence import ActiveRequest, SpeculationGate
+from cluster.engine.stats import EngineCounters
+from cluster.engine.text import OutputText
+from speculators.lookahead import make_policy
+from speculators.tree import DraftTree
+from speculators.verify import VerifyResult
+
+log = logging.getLogger(__name__)
+
+TARGET_FAILED = "the target worker group failed while decoding this request; retry it"
+
+
+@dataclass
+class _PendingDraft:
+    future: Future
+    request_ids: list[str]
+    submitted: float
+    """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
+    by its requests as their draft time."""
+
+
+@dataclass
+class StepEvent:
+    request_id: str
+    new_token_ids: list[int]
+    finished: GenerationOutput | None = None
+    text: str = ""
+    """Output text now safe to send (held back while it could still become a stop string)."""
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        target: Worker,
+        tokenizer,
+        drafters: Iterable[Worker] = (),
+        config: SchedulerConfig = SchedulerConfig(),
+        eos_token_ids: Iterable[int] = (),
+        rebuild_target: Callable[[], Worker] | None = None,
+        vocab_size: int | None = None,
+    ):
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.vocab_size = vocab_size
+        self.drafters = list(drafters)
+        self.rebuild_target = rebuild_target
+        eos = set(eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.waiting: deque[GenerationRequest] = deque()
+        self.active: dict[str, ActiveRequest] = {}
+        self.counters = EngineCounters()
+        self._pending_drafts: dict[int, _PendingDraft] = {}
+        self._pending_starts: list[tuple[Future, list[str]]] = []
+        self._next_group = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse a request the engine cannot serve, with a message naming the field."""
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if not request.prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(request.prompt_ids) >= self.config.max_len:
+            raise ValueError(f"prompt has {len(request.prompt_ids)} tokens; the limit is {self.config.max_len - 1}")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if request.request_id in self.active or any(r.request_id == request.request_id for r in self.waiting):
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if not request.sampling.greedy and request.sampling.seed is None:
+            # every tensor-parallel rank and every restarted drafter must draw the same numbers
+            request.sampling = replace(request.sampling, seed=random.getrandbits(62))
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def abort(self, request_id: str) -> GenerationOutput | None:
+        """Drop a request wherever it is, freeing its caches (a cancelled client)."""
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        state = self.active.get(request_id)
+        if state is None:
+            return None
+        state.finish_reason = "abort"
+        return self._finish(state)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+
+    @property
+    def _num_groups(self) -> int:
+        return 2 if self.config.pipeline else 1
+
+    def _admit(self) -> None:
+        admitted = []
+        while self.waiting and len(self.active) + len(admitted) < self.config.max_sequences:
+            admitted.append(self.waiting.popleft())
+        if not admitted:
+            return
+        now = time.perf_counter()
+        # no wait: the worker runs calls in order, so the prefill lands before the next verify
+        start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+        self._pending_starts.append((start, [r.request_id for r in admitted]))
+        for request in admitted:
+            sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
+            gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
+            state = ActiveRequest(request, make_policy(request.lookahead or self.config.lookahead), gate,
+                                  sizes.index(min(sizes)), OutputText(self.tokenizer, request.stop),
+                                  list(request.prompt_ids), started=now)
+            state.stats.queue_seconds = now - request.arrival_time
+            self.active[request.request_id] = state
+
+    def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
+        if not self.drafters:
+            return None
+        requests = draft_requests(states, self.config)
+        if not requests:
+            return None
+        drafter = self.drafters[group % len(self.drafters)]
+        return _PendingDraft(drafter.submit("propose", requests), [r.request_id for r in requests], time.perf_counter())
+
+    def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
+        if pending is None:
+            return {}
+        began = time.perf_counter()
+        try:
+            trees = pending.future.result()
+        except Exception as error:  # a dead or restarting draft actor: decode plainly this step
+            self.counters.draft_failures += 1
+            log.warning("drafter failed (%s); %d requests decode without speculation this step",
+                        error, len(pending.request_ids))
+            return {}
+        finally:
+            done = time.perf_counter()
+            self.counters.draft_wait_seconds += done - began
+        share = (done - pending.submitted) / len(pending.request_ids)
+        for request_id in pending.request_ids:
+            if request_id in self.active:
+                self.active[request_id].stats.draft_seconds += share
+        return dict(zip(pending.request_ids, trees))
+
+    def _check_starts(self) -> list[StepEvent]:
+        """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
+        events = []
+        for future, request_ids in self._pending_starts:
+            try:
+                future.result()
+            except Exception as error:
+                log.error("prefill failed: %s", error)
+                for request_id in request_ids:
+                    state = self.active[request_id]
+                    state.fail(f"prefill failed: {error}")
+                    events.append(self._finished_event(state))
+        self._pending_starts.clear()
+        return events
+
+    def step(self) -> list[StepEvent]:
+        """Verify one micro-batch (all active requests when pipelining is off)."""
+        self._admit()
+        failed = self._check_starts()
+        if failed or not self.active:
+            return failed
+        group = self._next_group
+        self._next_group = (group + 1) % self._num_groups
+        states = [s for s in self.active.values() if s.group == group]
+        if not states:
+            return []
+        pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
+        trees_by_id = self._collect_draft(pending)
+        trees = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
+        began = time.perf_counter()
+        verify = self.target.submit("verify", [(s.request_id, t) for s, t in zip(states, trees)])
+        if self.config.pipeline:
+            other = (group + 1) % self._num_groups
+            others = [s for s in self.active.values() if s.group == other]
+            if others:
+                drafted = self._submit_draft(other, others)
+                if drafted:
+                    self._pending_drafts[other] = drafted
+        try:
+            results = verify.result()
+        except Exception as error:
+            return self._target_failed(error)
+        seconds = time.perf_counter() - began
+        self.counters.steps += 1
+        self.counters.verify_seconds += seconds
+        return [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
+
+    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult, verify_seconds: float) -> StepEvent:
+        state.stats.verify_seconds += verify_seconds
+        accepted = len(result.accepted_tokens)
+        state.stats.record(tree.max_depth, tree.num_drafted, accepted)
+        state.policy.observe(tree.max_depth, accepted)
+        state.gate.observe(tree.max_depth, accepted)
+        new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len)
+        self.counters.tokens += len(new)
+        if state.finish_reason:
+            return self._finished_event(state, new, text)
+        return StepEvent(state.request_id, new, text=text)
+
+    def _target_failed(self, error: Exception) -> list[StepEvent]:
+        """Every active request lived in the failed group's caches: end them, rebuild the group."""
+        log.error("target worker failed: %s", error)
+        self.counters.target_failures += 1
+        # a group about to be rebuilt is not told anything; one that stays must free the slots
+        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
+        if self.rebuild_target is not None:
+            self.target = self.rebuild_target()
+        return events
+
+    def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
+        """End every active request with a retryable error (waiting requests stay queued)."""
+        self._pending_drafts.clear()
+        self._pending_starts.clear()
+        events = []
+        for state in list(self.active.values()):
+            state.fail(reason)
+            events.append(self._finished_event(state, notify_target=notify_target))
+        return events
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def _finished_event(self, state: ActiveRequest, new: list[int] = (), text: str = "",
+                        notify_target: bool = True) -> StepEvent:
+        output = self._finish(state, notify_target)
+        return StepEvent(state.request_id, list(new), output, text + state.text.finish())
+
+    def _finish(self, state: ActiveRequest, notify_target: bool = True) -> GenerationOutput:
+        """Free the request's caches everywhere and build its output."""
+        self.active.pop(state.request_id)
+        if notify_target:
+            self.target.submit("finish", state.request_id)
+        for drafter in self.drafters:
+            drafter.submit("release", [state.request_id])
+        return state.final_output()
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to completion; outputs in the order given."""
+        order = []
+        for request in requests:
+            self.add(request)
+            order.append(request.request_id)
+        done: dict[str, GenerationOutput] = {}
+        while self.has_work:
+            for event in self.step():
+                if event.finished:
+                    done[event.request_id] = event.finished
+        return [done[request_id] for request_id in order]

@@ -1,0 +1,260 @@
+"""Placement: which GPUs the target groups and the draft actors get.
+
+Every actor that owns a device runs inside a bundle of a Ray placement group, and a bundle reserves its
+resources for that group alone, so draft actors and target shards never share a (whole) GPU. The
+shards of one target group are packed onto one node when a node can hold them, because their
+all-reduces are on the critical path of every verification step; draft actors are spread, because
+they talk only to the router.
+
+Two things Ray does not do for us, and so this module does:
+- A placement group that cannot be satisfied never becomes ready and never says why. `reserve` checks
+  the spec against the cluster's totals before creating anything, waits with a timeout, and explains
+  what is missing either way.
+- An actor placed in a bundle must ask for no more than the bundle holds, and Ray's default actor
+  (1 CPU to schedule) does not fit a GPU-only bundle. `actor_options` derives an actor's request from
+  its bundle, so the two cannot drift apart.
+
+Bundles list only the resources they need (a zero entry is dropped). Ray refuses a bundle that asks
+for nothing, so a bundle of an actor that needs neither GPU nor CPU asks for `MIN_BUNDLE_CPU` CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.engine.config import EngineConfig
+
+Bundle = dict[str, float]
+MIN_BUNDLE_CPU = 0.01
+CHECKED_RESOURCES = ("GPU", "CPU")
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold what the spec asks for."""
+
+
+class ClusterSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the target, the drafter and the scheduler every target group runs"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="target shards (ranks) in one target group")
+    num_target_groups: int = Field(
+        1, ge=1, description="independent copies of the target, each a tensor-parallel group"
+    )
+    num_draft_actors: int = Field(
+        1, ge=0, description="draft actors; must be >= 1 unless engine.method is none, where it is ignored"
+    )
+    gpus_per_draft_actor: float = Field(
+        1, ge=0, description="GPUs of one draft actor; a fraction lets Ray put several actors on one GPU"
+    )
+    gpus_per_target_shard: float = Field(
+        1, ge=0, description="GPUs of one target shard; a fraction lets Ray put several actors on one GPU"
+    )
+    cpus_per_actor: float = Field(
+        0, ge=0, description="CPUs reserved per actor; 0 because GPU actors asking for CPUs exhaust a small node's CPUs"
+    )
+    placement_timeout_s: float = Field(30, gt=0, description="seconds to wait for the placement groups to be ready")
+
+    @model_validator(mode="after")
+    def _drafter_has_actors(self) -> ClusterSpec:
+        """A drafter with no actor to run it would leave every request without proposals."""
+        if self.engine.method != "none" and self.num_draft_actors < 1:
+            raise ValueError(
+                f"num_draft_actors must be >= 1 when engine.method is {self.engine.method!r} "
+                "(use engine.method='none' for plain decoding without draft actors)"
+            )
+        return self
+
+    @property
+    def draft_actor_count(self) -> int:
+        """Draft actors actually placed: none for plain decoding, whatever num_draft_actors says."""
+        return 0 if self.engine.method == "none" else self.num_draft_actors
+
+    def target_bundles(self) -> list[Bundle]:
+        """Bundles of one target group, one per tensor-parallel rank (rank i runs in bundle i)."""
+        return [_bundle(self.gpus_per_target_shard, self.cpus_per_actor) for _ in range(self.tensor_parallel_size)]
+
+    def draft_bundles(self) -> list[Bundle]:
+        """Bundles of all draft actors (actor i runs in bundle i); empty when engine.method is none."""
+        return [_bundle(self.gpus_per_draft_actor, self.cpus_per_actor) for _ in range(self.draft_actor_count)]
+
+    def total(self, resource: str) -> float:
+        """How much of a resource all target groups and draft actors reserve together."""
+        bundles = self.target_bundles() * self.num_target_groups + self.draft_bundles()
+        return sum(bundle.get(resource, 0.0) for bundle in bundles)
+
+    def total_gpus(self) -> float:
+        """GPUs the whole spec reserves."""
+        return self.total("GPU")
+
+    def describe_total(self, resource: str) -> str:
+        """The arithmetic behind `total`, so an error message shows where the number comes from."""
+        target_each = self.target_bundles()[0].get(resource, 0.0)
+        draft_each = _bundle(self.gpus_per_draft_actor, self.cpus_per_actor).get(resource, 0.0)
+        return (
+            f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size} x {target_each:g} + "
+            f"{self.draft_actor_count} draft actors x {draft_each:g}"
+        )
+
+
+def _bundle(gpus: float, cpus: float) -> Bundle:
+    """One actor's bundle: its non-zero resources, or a token CPU share because Ray refuses empty bundles."""
+    bundle = {name: amount for name, amount in (("GPU", gpus), ("CPU", cpus)) if amount > 0}
+    return bundle or {"CPU": MIN_BUNDLE_CPU}
+
+
+def actor_options(bundle: Bundle) -> dict[str, float]:
+    """`.options()` kwargs asking exactly what the bundle holds.
+
+    Both keys are always given: an actor that leaves num_cpus unset asks for 1 CPU, which does not fit
+    a GPU-only bundle.
+    """
+    return {"num_gpus": bundle.get("GPU", 0.0), "num_cpus": bundle.get("CPU", 0.0)}
+
+
+@dataclass
+class Placement:
+    """The reserved placement groups, and how to start an actor inside them."""
+
+    target_groups: list[PlacementGroup]
+    drafts: PlacementGroup | None
+    notes: list[str] = field(default_factory=list)
+
+    def target_strategy(self, group_index: int, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Where target group `group_index`'s shard `rank` runs: that group's bundle `rank`."""
+        return _strategy(self.target_groups[group_index], rank)
+
+    def draft_strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
+        """Where draft actor `index` runs: bundle `index` of the draft group."""
+        return _strategy(self._draft_group(), index)
+
+    def target_options(self, group_index: int, rank: int) -> dict:
+        """Complete `.options()` kwargs of a target shard: its bundle's resources and its strategy."""
+        bundle = self.target_groups[group_index].bundle_specs[rank]
+        return {**actor_options(bundle), "scheduling_strategy": self.target_strategy(group_index, rank)}
+
+    def draft_options(self, index: int) -> dict:
+        """Complete `.options()` kwargs of a draft actor: its bundle's resources and its strategy."""
+        bundle = self._draft_group().bundle_specs[index]
+        return {**actor_options(bundle), "scheduling_strategy": self.draft_strategy(index)}
+
+    def release(self) -> None:
+        """Remove every placement group (killing the actors in them); calling it again does nothing."""
+        for group in self._groups():
+            remove_placement_group(group)
+        self.target_groups = []
+        self.drafts = None
+
+    def _groups(self) -> list[PlacementGroup]:
+        """Every group still held, target groups first."""
+        return self.target_groups + ([self.drafts] if self.drafts is not None else [])
+
+    def _draft_group(self) -> PlacementGroup:
+        """The draft group, or a clear error instead of Ray's confusing one about a None group."""
+        if self.drafts is None:
+            raise PlacementError("no draft actors were placed (engine.method='none' or released)")
+        return self.drafts
+
+
+def _strategy(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Ray only notices a bad bundle index when the actor is created; fail where the mistake is made."""
+    if not 0 <= index < group.bundle_count:
+        raise IndexError(f"bundle index {index} out of range for a placement group of {group.bundle_count} bundles")
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+
+def reserve(spec: ClusterSpec) -> Placement:
+    """Create the spec's placement groups and wait until Ray has reserved them all.
+
+    Raises PlacementError at once if the cluster is too small, or after spec.placement_timeout_s if
+    the groups could not be reserved (resources held by others, or fragmented across nodes); groups
+    already created are removed first, so a failed call holds nothing.
+    """
+    check_capacity(spec, ray.cluster_resources())
+    available = ray.available_resources()
+    target_bundles, draft_bundles = spec.target_bundles(), spec.draft_bundles()
+    check_group_fits_a_node(target_bundles, ray.nodes())
+    placement = Placement(
+        target_groups=[placement_group(target_bundles, strategy="STRICT_PACK") for _ in range(spec.num_target_groups)],
+        drafts=placement_group(draft_bundles, strategy="SPREAD") if draft_bundles else None,
+        notes=_notes(spec),
+    )
+    _wait_ready(placement, spec, available)
+    return placement
+
+
+def check_capacity(spec: ClusterSpec, cluster: dict[str, float]) -> None:
+    """Refuse a spec the whole cluster could never hold: Ray would leave its groups pending forever."""
+    for resource in CHECKED_RESOURCES:
+        needed, present = spec.total(resource), cluster.get(resource, 0.0)
+        if needed > present:
+            raise PlacementError(
+                f"cluster spec needs {needed:g} {resource}s ({spec.describe_total(resource)}) "
+                f"but the Ray cluster has {present:g}"
+            )
+
+
+def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict]) -> None:
+    """Refuse a target group no alive node can hold: its shards rendezvous on 127.0.0.1 and all-reduce
+    on every step, so they are always packed on one node (STRICT_PACK), never scattered.
+
+    `nodes` is what `ray.nodes()` returns. Node totals are compared, not what is free now: a group
+    that fits a busy node waits for it.
+    """
+    need = _sum(bundles)
+    for node in nodes:
+        resources = node.get("Resources", {})
+        if node.get("Alive") and all(resources.get(name, 0.0) >= amount for name, amount in need.items()):
+            return
+    raise PlacementError(
+        f"no alive node can hold a whole target group ({_format(need)}): the shards of a "
+        "tensor-parallel group must share a node; lower tensor_parallel_size or add bigger nodes"
+    )
+
+
+def _notes(spec: ClusterSpec) -> list[str]:
+    """Compromises made for this spec, kept for logs: where the placement is weaker than promised."""
+    notes = []
+    if any(amount % 1 for amount in (spec.gpus_per_target_shard, spec.gpus_per_draft_actor)):
+        notes.append("fractional GPUs per actor: Ray may give several actors (draft or target) the same GPU")
+    return notes
+
+
+def _wait_ready(placement: Placement, spec: ClusterSpec, available: dict[str, float]) -> None:
+    """Wait for every group; on timeout release them all and say which were pending and what was free."""
+    labelled = [(f"target group {i}", group) for i, group in enumerate(placement.target_groups)]
+    if placement.drafts is not None:
+        labelled.append(("draft group", placement.drafts))
+    refs = {group.ready(): label for label, group in labelled}
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=spec.placement_timeout_s)
+    if not pending:
+        return
+    placement.release()
+    needed = {resource: spec.total(resource) for resource in CHECKED_RESOURCES}
+    free = {resource: available.get(resource, 0.0) for resource in CHECKED_RESOURCES}
+    raise PlacementError(
+        f"placement groups not ready after {spec.placement_timeout_s:g} s: {', '.join(refs[r] for r in pending)}. "
+        f"The spec needs {_format(needed)}; when reserving, the cluster had {_format(free)} free. "
+        "Other placement groups or actors hold the rest, or no node fits a packed target group."
+    )
+
+
+def _sum(bundles: list[Bundle]) -> Bundle:
+    """Resources of several bundles together: what one node needs to hold them all."""
+    total: Bundle = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def _format(resources: dict[str, float]) -> str:
+    """'4 GPU, 0 CPU': resource amounts as a message shows them."""
+    return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())

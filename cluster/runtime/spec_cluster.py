@@ -1,0 +1,106 @@
+"""SpecCluster: a ClusterSpec brought up on Ray.
+
+Placement reserves disjoint GPU sets; each target group is a TargetGroup of tensor-parallel shard
+actors; draft actors are DraftWorkers that restart themselves when they die (their per-request
+state is rebuilt from the next call's token ids). Each target group gets its own engine and engine
+loop thread, and every engine uses all draft actors, starting from a different one, so that the
+two micro-batches of a pipelined engine are drafted on different actors.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+
+import ray
+
+from actors.draft_worker import DraftWorker
+from actors.model.loader import load_config, load_tokenizer, resolve_model
+from actors.target_group import TargetGroup
+from actors.worker import RayActorWorker
+from cluster.engine.build import build_proposer
+from cluster.engine.loop import EngineLoop, least_loaded
+from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.engine.spec_engine import SpecEngine
+from cluster.runtime.placement import ClusterSpec, Placement, reserve
+
+log = logging.getLogger(__name__)
+
+
+class SpecCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.placement: Placement | None = None
+        self.drafters: list[RayActorWorker] = []
+        self.target_groups: list[TargetGroup] = []
+        self.loops: list[EngineLoop] = []
+
+    def start(self) -> SpecCluster:
+        spec, engine_config = self.spec, self.spec.engine
+        path = resolve_model(engine_config.model)  # convert once here, not in every actor
+        self.tokenizer = load_tokenizer(path)
+        model_config = load_config(path)
+        self.placement = reserve(spec)
+        try:
+            draft_actor = ray.remote(DraftWorker)
+            builder = functools.partial(build_proposer, engine_config)
+            self.drafters = [
+                RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(builder))
+                for i in range(spec.draft_actor_count)
+            ]
+            self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
+            for group in range(spec.num_target_groups):
+                count = len(self.drafters)
+                drafters = [self.drafters[(group + k) % count] for k in range(count)]
+                engine = SpecEngine(
+                    self.target_groups[group], self.tokenizer, drafters, engine_config,
+                    model_config.eos_token_ids, functools.partial(self._rebuild_target_group, group),
+                    vocab_size=model_config.vocab_size,
+                )
+                self.loops.append(EngineLoop(engine, name=f"engine-{group}"))
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def _new_target_group(self, group: int) -> TargetGroup:
+        config = self.spec.engine
+        options = [self.placement.target_options(group, rank) for rank in range(self.spec.tensor_parallel_size)]
+        return TargetGroup(
+            config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
+            max_len=config.max_len, dtype=config.dtype, device=config.device, actor_options=options,
+        )
+
+    def _rebuild_target_group(self, group: int) -> TargetGroup:
+        """A failed group's surviving ranks may be stuck in a collective: replace them all."""
+        log.warning("rebuilding target group %d", group)
+        self.target_groups[group].shutdown()
+        self.target_groups[group] = self._new_target_group(group)
+        return self.target_groups[group]
+
+    def generate(self, requests: Iterable[GenerationRequest], timeout_s: float | None = None) -> list[GenerationOutput]:
+        """Run requests concurrently across target groups; outputs in the order given."""
+        import concurrent.futures
+
+        futures = []
+        for request in requests:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+
+            def on_event(event, future=future):
+                if event.finished:
+                    future.set_result(event.finished)
+
+            least_loaded(self.loops).submit(request, on_event)
+            futures.append(future)
+        return [future.result(timeout_s) for future in futures]
+
+    def shutdown(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+        for group in self.target_groups:
+            group.shutdown()
+        for drafter in self.drafters:
+            drafter.shutdown()
+        if self.placement is not None:
+            self.placement.release()
+        self.loops, self.target_groups, self.drafters, self.placement = [], [], [], None

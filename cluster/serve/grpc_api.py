@@ -1,0 +1,70 @@
+"""Conversions between the gRPC messages of protos/specserve.proto and the service's types."""
+from __future__ import annotations
+
+import grpc
+
+from cluster.engine.request import GenerationOutput
+from cluster.engine.stats import RequestStats
+from cluster.serve.service import InvalidRequest, Overloaded, RequestOptions, SpecService, Unauthorized
+from protos import specserve_pb2 as pb
+
+class WorkerFailed(RuntimeError):
+    """A worker failed while decoding the request; the client may retry (UNAVAILABLE)."""
+
+
+STATUS_OF_ERROR = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
+    WorkerFailed: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(error: Exception) -> grpc.StatusCode:
+    return next((code for kind, code in STATUS_OF_ERROR.items() if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
+
+
+def options_from(message: pb.GenerateRequest) -> RequestOptions:
+    """The wire request as RequestOptions; proto3 defaults mean 'not given'."""
+    payload: dict = {}
+    kind = message.WhichOneof("prompt")
+    if kind == "text":
+        payload["prompt"] = message.text
+    elif kind == "token_ids":
+        payload["prompt_token_ids"] = list(message.token_ids.ids)
+    elif kind == "chat":
+        payload["messages"] = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+    sampling = message.sampling
+    payload.update(temperature=sampling.temperature, top_k=sampling.top_k, stop=list(sampling.stop))
+    for name in ("max_new_tokens", "top_p", "seed"):
+        if sampling.HasField(name):
+            payload[name] = getattr(sampling, name)
+    speculation = message.speculation
+    spec: dict = {"method": speculation.method or "default"}
+    if speculation.lookahead:
+        spec["lookahead"] = speculation.lookahead
+    for name in ("max_speculative_tokens", "num_speculative_tokens", "confidence_threshold"):
+        if speculation.HasField(name):  # the old lookahead name is an alias; the new one wins
+            spec[name.replace("max_", "num_")] = getattr(speculation, name)
+    payload["speculation"] = spec
+    return SpecService.parse_options(payload)
+
+
+def stats_message(stats: RequestStats, new_tokens: int) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        drafted=stats.drafted, accepted=stats.accepted, mean_accepted_tokens=stats.mean_accepted_tokens(new_tokens),
+        target_forwards=stats.target_forwards, time_to_first_token_s=stats.time_to_first_token or 0.0,
+    )
+
+
+def response_message(output: GenerationOutput, prompt_tokens: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        text=output.text, token_ids=output.token_ids, finish_reason=output.finish_reason,
+        stats=stats_message(output.stats, len(output.token_ids)), prompt_tokens=prompt_tokens,
+    )
+
+
+def metadata_value(grpc_context, key: str) -> str | None:
+    if grpc_context is None:
+        return None
+    return next((value for name, value in grpc_context.invocation_metadata() if name == key), None)

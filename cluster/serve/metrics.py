@@ -1,0 +1,100 @@
+"""Prometheus metrics of a serving replica, through ray.serve.metrics (exported by Ray's metrics agent).
+
+Per request: counts, tokens, time to first token, inter-token latency, drafted and accepted
+tokens and acceptance by draft position. Per replica, sampled every `SAMPLE_PERIOD_S`: queue
+depth, active requests, mean accepted tokens and the mean draft-wait and verify time of a step
+over the last period. The same sample feeds the autoscaling policy.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from cluster.engine.loop import EngineLoop
+from cluster.engine.request import GenerationOutput
+from cluster.engine.stats import EngineCounters
+
+SAMPLE_PERIOD_S = 2.0
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+NAMES = {
+    "specserve_requests": "requests finished, by finish_reason and protocol",
+    "specserve_generated_tokens": "tokens returned to clients",
+    "specserve_time_to_first_token_seconds": "arrival to first token",
+    "specserve_inter_token_latency_seconds": "time between streamed tokens",
+    "specserve_drafted_tokens": "drafted tokens sent to verification",
+    "specserve_accepted_tokens": "drafted tokens the target accepted",
+    "specserve_accepted_by_position": "accepted drafted tokens by depth in the tree",
+    "specserve_drafted_by_position": "drafted tokens by depth in the tree",
+    "specserve_mean_accepted_tokens": "new tokens per verification pass over the last period",
+    "specserve_draft_step_seconds": "mean time a step waited for its drafts over the last period",
+    "specserve_verify_step_seconds": "mean time of a verification pass over the last period",
+    "specserve_queue_depth": "requests waiting for a KV cache slot",
+    "specserve_active_requests": "requests being decoded",
+}
+
+
+class ServingMetrics:
+    def __init__(self):
+        d = NAMES
+        self.requests = Counter("specserve_requests", d["specserve_requests"], tag_keys=("finish_reason", "protocol"))
+        self.tokens = Counter("specserve_generated_tokens", d["specserve_generated_tokens"])
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", d["specserve_time_to_first_token_seconds"], LATENCY_BUCKETS)
+        self.itl = Histogram("specserve_inter_token_latency_seconds", d["specserve_inter_token_latency_seconds"], LATENCY_BUCKETS)
+        self.drafted = Counter("specserve_drafted_tokens", d["specserve_drafted_tokens"])
+        self.accepted = Counter("specserve_accepted_tokens", d["specserve_accepted_tokens"])
+        self.accepted_by_position = Counter("specserve_accepted_by_position", d["specserve_accepted_by_position"], tag_keys=("position",))
+        self.drafted_by_position = Counter("specserve_drafted_by_position", d["specserve_drafted_by_position"], tag_keys=("position",))
+        self.mean_accepted = Gauge("specserve_mean_accepted_tokens", d["specserve_mean_accepted_tokens"])
+        self.draft_step = Gauge("specserve_draft_step_seconds", d["specserve_draft_step_seconds"])
+        self.verify_step = Gauge("specserve_verify_step_seconds", d["specserve_verify_step_seconds"])
+        self.queue_depth = Gauge("specserve_queue_depth", d["specserve_queue_depth"])
+        self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
+        self._last = EngineCounters()
+        self._last_time = time.monotonic()
+        self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "tokens_per_step": 1.0}
+
+    def chunk(self, tokens: int, seconds_since_last: float) -> None:
+        if tokens:
+            self.tokens.inc(tokens)
+            self.itl.observe(seconds_since_last / tokens)
+
+    def finished(self, output: GenerationOutput, protocol: str) -> None:
+        self.requests.inc(tags={"finish_reason": output.finish_reason, "protocol": protocol})
+        stats = output.stats
+        if stats.time_to_first_token is not None:
+            self.ttft.observe(stats.time_to_first_token)
+        if stats.drafted:
+            self.drafted.inc(stats.drafted)
+        if stats.accepted:
+            self.accepted.inc(stats.accepted)
+        for position, count in enumerate(stats.accepted_per_position, start=1):
+            if count:
+                self.accepted_by_position.inc(count, tags={"position": str(position)})
+        for position, count in enumerate(stats.drafted_per_position, start=1):
+            if count:
+                self.drafted_by_position.inc(count, tags={"position": str(position)})
+
+    def sample(self, loops: Sequence[EngineLoop]) -> dict[str, float]:
+        """Update the per-replica gauges; returns the autoscaling stats of the last period."""
+        engines = [loop.engine for loop in loops]
+        now = EngineCounters(
+            steps=sum(e.counters.steps for e in engines), tokens=sum(e.counters.tokens for e in engines),
+            verify_seconds=sum(e.counters.verify_seconds for e in engines),
+            draft_wait_seconds=sum(e.counters.draft_wait_seconds for e in engines),
+        )
+        steps = now.steps - self._last.steps
+        tokens_per_step = (now.tokens - self._last.tokens) / steps if steps else self.latest["tokens_per_step"]
+        if steps:
+            self.mean_accepted.set(tokens_per_step)
+            self.verify_step.set((now.verify_seconds - self._last.verify_seconds) / steps)
+            self.draft_step.set((now.draft_wait_seconds - self._last.draft_wait_seconds) / steps)
+        queued = sum(e.queue_depth for e in engines)
+        ongoing = sum(loop.load for loop in loops)
+        self.queue_depth.set(queued)
+        self.active.set(ongoing - queued)
+        self._last = now
+        self.latest = {"ongoing": float(ongoing), "queued": float(queued), "tokens_per_step": float(tokens_per_step)}
+        return self.latest

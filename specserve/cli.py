@@ -1,0 +1,97 @@
+"""`specserve`: generate text from the command line and run the benchmarks.
+
+The command line sits above both the engine (cluster/) and the benchmarks (bench/), so neither
+imports the other's command code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+
+from cluster.engine.build import add_engine_arguments, build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.request import GenerationRequest
+from speculators.sampling import SamplingParams
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args, args.method)
+    engine, tokenizer = build_engine(config)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    request = GenerationRequest(
+        uuid.uuid4().hex, encode_prompt(tokenizer, args.prompt, args.chat), sampling,
+        args.max_new_tokens, args.stop or [], args.method != "none", config.lookahead,
+    )
+    output = engine.generate([request])[0]
+    stats = output.stats
+    summary = {
+        "text": output.text,
+        "token_ids": output.token_ids,
+        "new_tokens": len(output.token_ids),
+        "seconds": round(output.seconds, 4),
+        "tokens_per_s": round(len(output.token_ids) / output.seconds, 3) if output.seconds else None,
+        "target_forwards": stats.target_forwards,
+        "mean_accepted_tokens": round(output.mean_accepted_tokens, 4),
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "finish_reason": output.finish_reason,
+        "method": args.method,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(output.text)
+        print(
+            f"[{summary['new_tokens']} new tokens in {summary['seconds']:.2f} s, {summary['tokens_per_s']} tokens/s, "
+            f"{stats.target_forwards} target forwards, mean accepted tokens {summary['mean_accepted_tokens']:.2f}, "
+            f"method {args.method}, finish {output.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench import cluster_bench, specbench
+
+    parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and print stats", formatter_class=defaults)
+    gen.add_argument("prompt")
+    gen.add_argument("--method", default="pld", choices=["none", "pld", "draft"], help="drafter")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    spec = bench_sub.add_parser("specbench", help="Spec-Bench: speedup and mean accepted tokens per task",
+                                formatter_class=defaults)
+    specbench.add_arguments(spec)
+    add_engine_arguments(spec)
+    spec.set_defaults(func=specbench.run)
+
+    cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
+                             formatter_class=defaults)
+    cluster_bench.add_arguments(cluster)
+    add_engine_arguments(cluster)
+    cluster.set_defaults(func=cluster_bench.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

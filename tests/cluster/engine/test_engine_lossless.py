@@ -1,0 +1,179 @@
+"""Losslessness end to end: the engine's output against the target's own decoding."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from actors.model.llama import layer_skip_draft
+from actors.model.runner import ModelRunner
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.build import local_engine
+from cluster.engine.request import GenerationRequest
+from speculators.lookahead import LookaheadConfig
+from speculators.proposers.draft_model import DraftModelProposer
+from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.sampling import SamplingParams
+from tests.conftest import IdTokenizer, tiny_pair
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
+NEW_TOKENS = 24
+
+
+def make_proposer(kind: str, model, slots: int):
+    if kind == "pld":
+        return PromptLookupProposer()
+    if kind == "pld-tree":
+        return PromptLookupProposer(num_tokens=6, max_branches=3)
+    width = 3 if kind == "draft-tree" else 1
+    return DraftModelProposer(ModelRunner(layer_skip_draft(model, 2), slots, 256), width=width)
+
+
+def run_engine(model, proposer, prompts, lookahead=LookaheadConfig(), sampling=SamplingParams(), slots=4,
+               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False):
+    config = SchedulerConfig(max_sequences=slots, max_len=256, max_tree_nodes=max_tree_nodes, pipeline=pipeline)
+    engine = local_engine(model, IdTokenizer(), proposer, config)
+    requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead)
+                for i, p in enumerate(prompts)]
+    return engine.generate(requests)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_model):
+    model, reference = tiny_model
+    return [
+        reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=False)[0, len(p):].tolist()
+        for p in PROMPTS
+    ]
+
+
+def test_plain_decoding_equals_transformers_generate(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    outputs = run_engine(model, None, PROMPTS)
+    assert [o.token_ids for o in outputs] == plain_outputs
+    assert all(o.mean_accepted_tokens == 1.0 for o in outputs)
+
+
+LOOKAHEADS = [
+    LookaheadConfig(policy="fixed", num_speculative_tokens=4),
+    LookaheadConfig(policy="heuristic"),
+    LookaheadConfig(policy="confidence"),
+    LookaheadConfig(policy="confidence", confidence_threshold=0.0, num_speculative_tokens=8),
+]
+
+
+@pytest.mark.parametrize("kind,lookahead", list(itertools.product(["pld", "pld-tree", "draft", "draft-tree"], LOOKAHEADS)),
+                         ids=lambda v: v if isinstance(v, str) else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
+def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, lookahead):
+    """Every proposer, policy, chain and tree shape, on a batch of prompts of mixed lengths."""
+    model, _ = tiny_model
+    outputs = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead)
+    assert [o.token_ids for o in outputs] == plain_outputs
+    assert sum(o.stats.accepted for o in outputs) > 0  # speculation actually happened
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_requests_joining_mid_flight_and_a_tight_budget(tiny_model, plain_outputs, pipeline):
+    """Two cache slots for four requests (continuous batching) and at most 2 drafted nodes a tree."""
+    model, _ = tiny_model
+    outputs = run_engine(model, make_proposer("draft-tree", model, 2), PROMPTS, slots=2, max_tree_nodes=2,
+                         pipeline=pipeline)
+    assert [o.token_ids for o in outputs] == plain_outputs
+    assert max(o.stats.drafted / o.stats.target_forwards for o in outputs) <= 2
+
+
+def test_max_new_tokens_and_eos_stop_exactly(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    outputs = run_engine(model, make_proposer("pld", model, 4), PROMPTS, max_new_tokens=5)
+    assert [o.token_ids for o in outputs] == [p[:5] for p in plain_outputs]
+    assert {o.finish_reason for o in outputs} == {"length"}
+    eos = plain_outputs[2][3]
+    engine = local_engine(model, IdTokenizer(), make_proposer("pld", model, 4), SchedulerConfig(max_len=256),
+                          eos_token_ids=[eos])
+    output = engine.generate([GenerationRequest("e", PROMPTS[2], max_new_tokens=NEW_TOKENS)])[0]
+    assert output.token_ids == plain_outputs[2][: plain_outputs[2].index(eos) + 1]
+    assert output.finish_reason == "stop"
+
+
+def test_stop_strings_cut_the_text(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    stop = f"t{plain_outputs[0][4]}"
+    engine = local_engine(model, IdTokenizer(), make_proposer("pld", model, 2), SchedulerConfig(max_len=256))
+    output = engine.generate([GenerationRequest("s", PROMPTS[0], max_new_tokens=NEW_TOKENS, stop=[stop])])[0]
+    assert stop not in output.text and output.finish_reason == "stop"
+    assert output.token_ids == plain_outputs[0][: len(output.token_ids)]
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("method", ["pld", "draft"])
+def test_default_model_greedy_is_identical(default_model_path, method):
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.build import build_engine
+
+    prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
+    engines = {m: build_engine(EngineConfig(model=str(default_model_path), method=m, max_sequences=1, max_len=512))
+               for m in ("none", method)}
+    outputs = {}
+    for name, (engine, tokenizer) in engines.items():
+        request = GenerationRequest(name, tokenizer.encode(prompt), max_new_tokens=40, speculate=name != "none")
+        outputs[name] = engine.generate([request])[0]
+    assert outputs[method].token_ids == outputs["none"].token_ids
+    assert outputs[method].stats.drafted > 0
+    if method == "pld":  # the prompt repeats itself: lookup must save target passes
+        assert outputs[method].stats.target_forwards < outputs["none"].stats.target_forwards
+
+
+# ---------- sampled output follows the target's distribution, end to end --------------------------
+
+def exact_two_token_distribution(reference, prompt, params) -> np.ndarray:
+    """P(t1, t2 | prompt) of the target with the request's warping, by enumeration."""
+    from speculators.sampling import warp
+
+    with torch.no_grad():
+        first = warp(reference(torch.tensor([prompt])).logits[0, -1], params).double()
+        vocab = first.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = warp(reference(batch).logits[:, -1], params).double()
+    return (first[:, None] * second).numpy()
+
+
+@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
+def test_sampled_output_follows_the_target(width):
+    """Chi-square over the 64 cells of (first, second) token, 6,000 samples, draft unlike the target."""
+    model, reference = tiny_pair(seed=5, vocab_size=8)
+    params = SamplingParams(temperature=1.0, top_k=6, seed=11)
+    prompt = [1, 2, 3, 4]
+    draft = layer_skip_draft(model, 1)
+    samples, batch = 6000, 500
+    counts = np.zeros((8, 8))
+    for start in range(0, samples, batch):
+        proposer = DraftModelProposer(ModelRunner(draft, batch, 16), width=width)
+        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16))
+        requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
+                                      lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
+                    for i in range(batch)]
+        for output in engine.generate(requests):
+            counts[output.token_ids[0], output.token_ids[1]] += 1
+    exact = exact_two_token_distribution(reference, prompt, params)
+    keep = exact > 0
+    assert counts[~keep].sum() == 0  # nothing outside top-k
+    expected = exact[keep] / exact[keep].sum() * samples
+    assert chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+def test_per_request_statistics_add_up(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    outputs = run_engine(model, make_proposer("draft-tree", model, 4), PROMPTS)
+    for output in outputs:
+        stats = output.stats
+        assert stats.target_forwards >= 1 and stats.accepted <= stats.drafted
+        assert len(output.token_ids) == stats.accepted + stats.target_forwards  # one bonus or recovered token a pass
+        assert sum(stats.accepted_per_position) == stats.accepted
+        assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+        assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
+        assert stats.draft_seconds > 0 and stats.verify_seconds > 0 and stats.queue_seconds >= 0
+        assert stats.time_to_first_token is not None

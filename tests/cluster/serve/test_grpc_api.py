@@ -1,0 +1,54 @@
+"""The gRPC wire layer without a server: message -> options, errors -> status codes."""
+import grpc
+import pytest
+
+from cluster.serve.grpc_api import WorkerFailed, metadata_value, options_from, status_of
+from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
+from protos import specserve_pb2 as pb
+
+
+def test_unset_proto3_fields_take_the_service_defaults():
+    options = options_from(pb.GenerateRequest(text="hi"))
+    assert options.prompt == "hi" and options.max_new_tokens is None and options.top_p == 1.0
+    assert options.seed is None and options.speculation.method == "default"
+
+
+def test_every_field_reaches_the_options():
+    message = pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+        sampling=pb.Sampling(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop=["x"]),
+        speculation=pb.Speculation(method="off", lookahead="fixed", max_speculative_tokens=4, confidence_threshold=0.3),
+    )
+    options = options_from(message)
+    assert options.messages == [{"role": "user", "content": "hi"}]
+    assert (options.max_new_tokens, options.temperature, options.top_k, options.seed, options.stop) == (7, 0.5, 3, 11, ["x"])
+    assert options.top_p == pytest.approx(0.9)
+    assert options.speculation.model_dump() == pytest.approx(
+        {"method": "off", "lookahead": "fixed", "num_speculative_tokens": 4, "confidence_threshold": 0.3})
+    assert options_from(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))).prompt_token_ids == [1, 2]
+
+
+def test_an_unknown_lookahead_names_its_field():
+    with pytest.raises(InvalidRequest) as caught:
+        options_from(pb.GenerateRequest(text="hi", speculation=pb.Speculation(lookahead="sideways")))
+    assert caught.value.field == "speculation.lookahead"
+
+
+@pytest.mark.parametrize("error,code", [
+    (InvalidRequest("prompt", "empty"), grpc.StatusCode.INVALID_ARGUMENT),
+    (Overloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthorized("no key"), grpc.StatusCode.UNAUTHENTICATED),
+    (WorkerFailed("retry"), grpc.StatusCode.UNAVAILABLE),
+    (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
+])
+def test_errors_map_to_status_codes(error, code):
+    assert status_of(error) == code
+
+
+def test_authorization_metadata_is_read():
+    class Context:
+        def invocation_metadata(self):
+            return [("application", "specserve"), ("authorization", "Bearer k")]
+
+    assert metadata_value(Context(), "authorization") == "Bearer k"
+    assert metadata_value(None, "authorization") is None

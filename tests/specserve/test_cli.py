@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+from specserve.cli import main
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("method", ["none", "pld", "draft"])
+def test_generate_json(capsys, method):
+    code = main(["generate", "List three colors: red, green, and blue. List them again: red,", "--method", method,
+                 "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"text", "token_ids", "new_tokens", "seconds", "target_forwards", "mean_accepted_tokens"} <= set(result)
+    assert result["new_tokens"] == len(result["token_ids"]) <= 12
+    assert result["target_forwards"] >= 1 and result["mean_accepted_tokens"] >= 1.0
+    if method == "none":
+        assert result["mean_accepted_tokens"] == 1.0
+
+
+@pytest.mark.default_model
+def test_generate_chat_prints_text_and_a_stats_line(capsys):
+    assert main(["generate", "Say hello.", "--chat", "--max-new-tokens", "8", "--method", "pld"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "target forwards" in captured.err and "mean accepted tokens" in captured.err
+
+
+def test_engine_options_take_their_defaults_from_the_engine_config_and_accept_vllm_names():
+    from cluster.engine.build import engine_config_from_args
+    from cluster.engine.config import EngineConfig
+    from specserve.cli import build_parser
+
+    parser = build_parser()
+    default = engine_config_from_args(parser.parse_args(["generate", "x"]), "pld")
+    assert default.model_dump(exclude={"max_sequences"}) == EngineConfig().model_dump(exclude={"max_sequences"})
+    named = engine_config_from_args(parser.parse_args(
+        ["generate", "x", "--num-speculative-tokens", "6", "--prompt-lookup-num-tokens", "4", "--confidence-threshold", "0.1"]))
+    assert (named.lookahead.num_speculative_tokens, named.prompt_lookup_num_tokens, named.lookahead.confidence_threshold) \
+        == (6, 4, 0.1)
+
+
+def test_engine_config_keeps_the_old_field_names_as_aliases():
+    from cluster.engine.config import EngineConfig
+
+    old = EngineConfig.model_validate({"pld_num_pred_tokens": 4, "pld_max_ngram_size": 3, "pld_max_branches": 2,
+                                       "lookahead": {"max_tokens": 9, "threshold": 0.3}})
+    assert (old.prompt_lookup_num_tokens, old.prompt_lookup_max_ngram_size, old.prompt_lookup_max_branches) == (4, 3, 2)
+    assert (old.lookahead.num_speculative_tokens, old.lookahead.confidence_threshold) == (9, 0.3)
