@@ -1,7 +1,7 @@
 """Attention backends: the seam where a GPU kernel (flash-attn) can replace torch SDPA.
 
-A backend attends the new tokens of one sequence to that sequence's cached prefix plus the new
-tokens themselves, under an explicit boolean mask (True = may attend).
+A backend attends a padded batch of new tokens to each sequence's cached positions (prefix and
+new tokens alike, already in the cache) under an explicit boolean mask (True = may attend).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class AttentionBackend(Protocol):
     def attend(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """query [heads, n, d]; keys/values [kv_heads, S, d]; mask [n, S] or None (attend all)."""
+        """query [B, heads, n, d]; keys/values [B, kv_heads, S, d]; mask [B, n, S] or None (attend all)."""
 
 
 class SdpaBackend:
@@ -24,14 +24,11 @@ class SdpaBackend:
     name = "sdpa"
 
     def attend(self, query, keys, values, mask):
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-            enable_gqa=query.shape[0] != keys.shape[0],
+        return F.scaled_dot_product_attention(
+            query, keys, values,
+            attn_mask=None if mask is None else mask.unsqueeze(1),
+            enable_gqa=query.shape[1] != keys.shape[1],
         )
-        return out.squeeze(0)
 
 
 _BACKENDS = {"sdpa": SdpaBackend}

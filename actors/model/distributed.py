@@ -61,6 +61,7 @@ class TorchDistributedComm(Communicator):
         ]
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()  # collectives act on storage: a strided view would sum the wrong elements
         dist.all_reduce(tensor)
         return tensor
 

@@ -47,16 +47,6 @@ class KVCache:
         if end > self.max_len:
             raise CacheFullError(f"a sequence needs {end} positions; the KV cache holds {self.max_len}")
 
-    def write(self, layer: int, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store K/V of shape [kv_heads, n, head_dim] at positions [start, start + n)."""
-        end = start + keys.shape[1]
-        self.keys[layer, slot, :, start:end] = keys
-        self.values[layer, slot, :, start:end] = values
-
-    def read(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (no copy) of positions [0, end): [kv_heads, end, head_dim]."""
-        return self.keys[layer, slot, :, :end], self.values[layer, slot, :, :end]
-
     def compact(self, slot: int, start: int, offsets: Sequence[int]) -> None:
         """Move positions start + offsets[i] to start + i, in every layer (offsets ascending)."""
         if list(offsets) == list(range(len(offsets))):

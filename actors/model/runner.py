@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.model.kv_cache import CacheFullError, KVCache
-from actors.model.llama import LlamaDecoder, Segment
+from actors.model.batch import Segment
+from actors.model.llama import LlamaDecoder
 from speculators.proposers.base import TreeInput
 from speculators.tree import extend_ancestors
 

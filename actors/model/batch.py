@@ -1,0 +1,97 @@
+"""The layout of one packed forward pass, built once and shared by every layer.
+
+A pass runs the new tokens of several sequences laid end to end (no padding in the projections).
+For attention they are regrouped into a padded [sequences, new tokens, positions] block so that
+every layer makes one cache write, one cache read and one attention call for the whole batch, with
+each sequence's own mask (its committed prefix plus its tree ancestors). A single sequence skips
+the padding and reads its cache slot as a view.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from actors.model.kv_cache import KVCache
+
+
+@dataclass
+class Segment:
+    """The new tokens of one sequence inside a packed forward pass.
+
+    They are written to cache positions [start, start + num_tokens) of `slot` and attend to
+    positions [0, start + num_tokens) under `mask` ([num_tokens, start + num_tokens], True = may
+    attend), or to all of them when mask is None.
+    """
+
+    slot: int
+    start: int
+    num_tokens: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class PackedBatch:
+    def __init__(self, segments: Sequence[Segment], device: torch.device):
+        self.segments = list(segments)
+        self.single = len(self.segments) == 1
+        counts = [s.num_tokens for s in self.segments]
+        self.num_tokens = sum(counts)
+        self.max_new, self.max_end = max(counts), max(s.end for s in self.segments)
+        slots, positions = [], []
+        for segment in self.segments:
+            slots += [segment.slot] * segment.num_tokens
+            positions += range(segment.start, segment.end)
+        self.token_slots = torch.tensor(slots, device=device)
+        self.token_positions = torch.tensor(positions, device=device)
+        self.slots = torch.tensor([s.slot for s in self.segments], device=device)
+        self.mask = self._padded_mask(device)
+        if not self.single:
+            # packed row of each (sequence, new-token) cell; num_tokens points at a zero pad row
+            rows = torch.full((len(self.segments), self.max_new), self.num_tokens, dtype=torch.long)
+            offset = 0
+            for index, count in enumerate(counts):
+                rows[index, :count] = torch.arange(offset, offset + count)
+                offset += count
+            self.rows = rows.flatten().to(device)
+            self.valid = (self.rows < self.num_tokens).nonzero().squeeze(1)
+
+    def _padded_mask(self, device: torch.device) -> torch.Tensor | None:
+        """[B, max_new, max_end] bool; None when every token may attend everything before it."""
+        if self.single and self.segments[0].mask is None:
+            return None
+        mask = torch.zeros(len(self.segments), self.max_new, self.max_end, dtype=torch.bool, device=device)
+        for index, segment in enumerate(self.segments):
+            given = segment.mask
+            mask[index, : segment.num_tokens, : segment.end] = True if given is None else given
+            mask[index, segment.num_tokens:, 0] = True  # pad rows attend somewhere (no NaN), then are dropped
+        return mask
+
+    def write(self, cache: KVCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) at their positions."""
+        cache.keys[layer][self.token_slots, :, self.token_positions] = keys
+        cache.values[layer][self.token_slots, :, self.token_positions] = values
+
+    def read(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's K/V up to its end: [B, kv_heads, max_end, head_dim] (a view for one sequence)."""
+        if self.single:
+            slot = self.segments[0].slot
+            return cache.keys[layer, slot: slot + 1, :, : self.max_end], cache.values[layer, slot: slot + 1, :, : self.max_end]
+        return (cache.keys[layer, :, :, : self.max_end].index_select(0, self.slots),
+                cache.values[layer, :, :, : self.max_end].index_select(0, self.slots))
+
+    def queries(self, packed: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, d] packed -> [B, heads, max_new, d]."""
+        if self.single:
+            return packed.transpose(0, 1).unsqueeze(0)
+        padded = torch.cat([packed, packed.new_zeros(1, *packed.shape[1:])]).index_select(0, self.rows)
+        return padded.view(len(self.segments), self.max_new, *packed.shape[1:]).transpose(1, 2)
+
+    def outputs(self, attended: torch.Tensor) -> torch.Tensor:
+        """[B, heads, max_new, d] -> packed [tokens, heads * d]."""
+        flat = attended.transpose(1, 2).reshape(-1, attended.shape[1] * attended.shape[3])
+        return flat if self.single else flat.index_select(0, self.valid)
