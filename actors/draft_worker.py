@@ -23,9 +23,16 @@ class DraftWorker:
             self.proposer.on_accept(request.request_id, request.token_ids)
         return self.proposer.propose(requests)
 
-    def release(self, request_ids: Sequence[str]) -> None:
+    def release(self, request_ids: Sequence[str], outputs: Sequence[Sequence[int]] = ()) -> None:
+        """Free finished requests' state, and learn from the outputs of those that completed (every
+        draft actor gets every output, whichever actor drafted for the request)."""
         for request_id in request_ids:
             self.proposer.release(request_id)
+        for output in outputs:
+            self.proposer.learn(output)
+
+    def runs_a_model(self) -> bool:
+        return self.proposer.runs_a_model
 
     def ping(self) -> bool:
         return True

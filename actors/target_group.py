@@ -61,6 +61,9 @@ class TargetShard:
     def finish(self, seq_id: str) -> None:
         self.worker.finish(seq_id)
 
+    def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
+        return self.worker.time_passes(shapes, context, repeats)
+
     def parameter_bytes(self) -> int:
         """Bytes of weights this rank holds: how the split is checked and memory is planned."""
         return sum(p.numel() * p.element_size() for p in self.worker.model.parameters())

@@ -13,6 +13,7 @@ import torch
 
 from actors.model.llama import LlamaDecoder
 from actors.model.runner import ModelRunner
+from actors.model.timing import time_passes
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
@@ -80,3 +81,7 @@ class TargetWorker:
     def finish(self, seq_id: str) -> None:
         self.runner.remove(seq_id)
         self._sampling.pop(seq_id, None)
+
+    def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
+        """The cost curve: median seconds of verification passes of these (tokens, sequences) shapes."""
+        return time_passes(self.runner, shapes, context, repeats)

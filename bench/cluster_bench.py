@@ -14,9 +14,11 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import get_args
 
 from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, load_questions, machine
 from cluster.engine.build import encode_prompt, engine_config_from_args
+from cluster.engine.config import EngineConfig, Method
 from cluster.engine.request import GenerationRequest
 from cluster.engine.stats import mean_accepted_tokens
 
@@ -28,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--tensor-parallel", type=int, default=2, help="target shards in the target group")
     parser.add_argument("--draft-actors", type=int, default=2, help="draft actors")
-    parser.add_argument("--method", default="pld", choices=["pld", "draft"], help="drafter of the draft actors")
+    parser.add_argument("--method", default=EngineConfig().method, choices=[m for m in get_args(Method) if m != "none"],
+                        help="drafter of the draft actors")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the three settings")
     parser.add_argument("--fake-gpus", type=int, default=4, help="GPUs Ray pretends to have (CPU machine)")

@@ -22,16 +22,18 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from itertools import zip_longest
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from bench.peers import PEERS, Generation, Runner, build_peers, with_baselines
 from cluster.engine.build import build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.config import Method
 from cluster.engine.request import GenerationRequest
 from cluster.engine.stats import mean_accepted_tokens
 
 PLAIN = "none"
-METHODS = ("none", "pld", "draft")
+METHODS = get_args(Method)
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 """Spec-Bench's six tasks; any other category is one of MT-bench's eight (writing, coding, ...)."""
 DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "specbench" / "question.jsonl"
@@ -108,7 +110,7 @@ def engine_runner(args: argparse.Namespace, method: str):
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> Generation:
         request = GenerationRequest(uuid.uuid4().hex, prompt_ids, max_new_tokens=max_new_tokens,
-                                    speculate=method != PLAIN, lookahead=config.lookahead)
+                                    speculate=method != PLAIN)
         output = engine.generate([request])[0]
         return Generation(output.token_ids, output.finish_reason, output.stats.target_forwards)
 

@@ -9,8 +9,10 @@ import argparse
 import json
 import sys
 import uuid
+from typing import get_args
 
 from cluster.engine.build import add_engine_arguments, build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.config import EngineConfig, Method
 from cluster.engine.request import GenerationRequest
 from speculators.sampling import SamplingParams
 
@@ -21,7 +23,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     request = GenerationRequest(
         uuid.uuid4().hex, encode_prompt(tokenizer, args.prompt, args.chat), sampling,
-        args.max_new_tokens, args.stop or [], args.method != "none", config.lookahead,
+        args.max_new_tokens, args.stop or [], args.method != "none",
     )
     output = engine.generate([request])[0]
     stats = output.stats
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt and print stats", formatter_class=defaults)
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="pld", choices=["none", "pld", "draft"], help="drafter")
+    gen.add_argument("--method", default=EngineConfig().method, choices=get_args(Method), help="drafter")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -10,16 +10,18 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.draft_worker import DraftWorker
 from actors.model.llama import LlamaDecoder, layer_skip_draft
-from actors.model.loader import load_model, load_tokenizer
+from actors.model.loader import load_model, load_tokenizer, resolve_model
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
 from cluster.engine.config import EngineConfig, SchedulerConfig
+from cluster.engine.cost import CostCurve, cache_key, measure as measure_cost
 from cluster.engine.spec_engine import SpecEngine
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.base import Proposer
 from speculators.proposers.draft_model import DraftModelProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.proposers.suffix import SuffixProposer
 
 
 def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> Proposer | None:
@@ -30,6 +32,10 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
     if config.method == "pld":
         return PromptLookupProposer(config.prompt_lookup_num_tokens, config.prompt_lookup_max_ngram_size,
                                     config.prompt_lookup_max_branches)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, max_spec_factor=config.suffix_decoding_max_spec_factor,
+                              min_token_prob=config.suffix_decoding_min_token_prob,
+                              max_cached_tokens=config.suffix_decoding_max_cached_tokens)
     dtype = getattr(torch, config.dtype)
     layers = config.layer_skip_layers()
     if layers is not None and target is not None:
@@ -52,18 +58,35 @@ def local_engine(
     proposer: Proposer | None,
     config: SchedulerConfig = SchedulerConfig(),
     eos_token_ids=(),
+    cost: CostCurve | bool = False,
+    cost_key: str | None = None,
 ) -> SpecEngine:
-    """An engine whose target and drafter run in this process (each on its own thread)."""
+    """An engine whose target and drafter run in this process (each on its own thread).
+
+    `cost` turns on the planner's draft sizing: a CostCurve to use, or True to measure the target's
+    (read from the cache under `cost_key` when there).
+    """
     worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
-    return SpecEngine(worker, tokenizer, drafters, config, eos, vocab_size=target.config.vocab_size)
+    curve = None
+    if proposer is not None and cost is not False:
+        curve = cost if isinstance(cost, CostCurve) else measure_cost(worker, config.max_sequences, config.max_len, cost_key)
+    return SpecEngine(worker, tokenizer, drafters, config, eos, vocab_size=target.config.vocab_size, cost=curve,
+                      costly_drafter=proposer is not None and proposer.runs_a_model)
+
+
+def cost_key_of(config: EngineConfig, tensor_parallel_size: int = 1) -> str:
+    """The cost-curve cache key of a target as this config runs it."""
+    return cache_key(resolve_model(config.model).resolve(), config.dtype, config.device, tensor_parallel_size)
 
 
 def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerBase]:
     tokenizer = load_tokenizer(config.model)
     target = load_model(config.model, getattr(torch, config.dtype), config.device, attention_backend=config.attention_backend)
-    return local_engine(target, tokenizer, build_proposer(config, target), config), tokenizer
+    engine = local_engine(target, tokenizer, build_proposer(config, target), config,
+                          cost=config.step_token_budget is None, cost_key=cost_key_of(config))
+    return engine, tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

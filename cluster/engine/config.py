@@ -13,7 +13,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
 
-Method = Literal["none", "pld", "draft"]
+Method = Literal["none", "pld", "suffix", "draft"]
 LAYER_SKIP_PREFIX = "layer-skip:"
 
 
@@ -27,9 +27,10 @@ class SchedulerConfig(BaseModel):
     max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
     lookahead: LookaheadConfig = Field(
         default_factory=LookaheadConfig, description="lookahead of a request that does not choose its own")
-    step_token_budget: int = Field(
-        256, ge=0, description="drafted tokens per step for the whole micro-batch, shared equally: "
-        "speculation shrinks per request as load grows")
+    step_token_budget: int | None = Field(
+        None, ge=0, description="a fixed number of drafted tokens per step for the whole micro-batch, shared "
+        "equally; null (the default) lets the planner size every request's draft from the target's measured "
+        "cost curve and the acceptance it has seen (goodput-based, down to no speculation)")
     pipeline: bool = Field(False, description="split requests into two micro-batches so one is drafted while the other is verified")
     min_acceptance: float = Field(
         0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
@@ -41,7 +42,9 @@ class EngineConfig(SchedulerConfig):
     """A whole in-process engine: target, drafter and scheduler."""
 
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
-    method: Method = Field("pld", description="drafter: none (plain decoding), pld (prompt lookup) or draft (a draft model)")
+    method: Method = Field(
+        "pld", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
+        "the request's own text and earlier outputs) or draft (a draft model)")
     draft: str = Field(
         "layer-skip:6",
         description="draft model for method=draft: a model name/path with the target's tokenizer, or "
@@ -57,6 +60,14 @@ class EngineConfig(SchedulerConfig):
     prompt_lookup_max_branches: int = Field(
         1, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
         description="prompt lookup: earlier matches merged into one tree (alias pld_max_branches)")
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=2, le=128, description="suffix decoding: longest substring of earlier outputs indexed")
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
+    suffix_decoding_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
+    suffix_decoding_max_cached_tokens: int = Field(
+        65536, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
     attention_backend: str = Field("sdpa", description="attention kernel: sdpa")

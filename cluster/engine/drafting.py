@@ -1,4 +1,5 @@
-"""What each request drafts in a step: its lookahead, its gate, and its share of the step's budget."""
+"""What each request drafts in a step, before the drafter runs: its lookahead, its gate, the room
+left in its output and cache, and (when set) its share of a fixed token budget."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,20 +9,28 @@ from cluster.engine.sequence import ActiveRequest
 from speculators.proposers.base import DraftRequest
 
 
-def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig) -> list[DraftRequest]:
-    """The DraftRequests of one micro-batch; requests that do not speculate this step are left out."""
+def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig,
+                   depth_cap: int | None = None) -> list[DraftRequest]:
+    """The DraftRequests of one micro-batch; requests that do not speculate this step are left out.
+
+    `depth_cap` (the planner's depth for a costly drafter) bounds requests that left their
+    lookahead to the engine; a request that chose its own lookahead drafts what it asked for.
+    """
     speculating = [s for s in states if s.request.speculate and s.gate.is_open]
     if not speculating:
         return []
-    share = config.step_token_budget // len(speculating)
+    budget = config.step_token_budget
+    share = config.max_tree_nodes if budget is None else budget // len(speculating)
     drafts = []
     for state in speculating:
         request = state.request
         remaining = request.max_new_tokens - len(state.output)
         room = config.max_len - len(state.tokens) - 1  # cache positions left after the root
-        depth = max(0, min(state.policy.depth(), remaining - 1, room))
-        nodes = max(0, min(config.max_tree_nodes, share, room))
-        if depth and nodes:
+        depth = min(state.policy.depth(), remaining - 1, room)
+        if depth_cap is not None and request.lookahead is None:
+            depth = min(depth, depth_cap)
+        nodes = min(config.max_tree_nodes, share, room)
+        if depth > 0 and nodes > 0:
             drafts.append(DraftRequest(request.request_id, list(state.tokens), depth, nodes,
                                        state.policy.confidence_threshold, request.sampling))
     return drafts

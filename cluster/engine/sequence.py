@@ -6,6 +6,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from cluster.engine.planner import RequestAcceptance
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.stats import RequestStats
 from cluster.engine.text import OutputText
@@ -57,6 +58,7 @@ class ActiveRequest:
     """Everything committed: prompt and output."""
     output: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
+    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
     error: str | None = None

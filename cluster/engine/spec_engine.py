@@ -25,7 +25,9 @@ from dataclasses import dataclass, replace
 
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
+from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import draft_requests
+from cluster.engine.planner import Planned, Planner, path_probabilities
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
 from cluster.engine.stats import EngineCounters
@@ -67,8 +69,16 @@ class SpecEngine:
         eos_token_ids: Iterable[int] = (),
         rebuild_target: Callable[[], Worker] | None = None,
         vocab_size: int | None = None,
+        cost: CostCurve | None = None,
+        costly_drafter: bool = False,
     ):
+        """`cost` (the target's measured cost curve) turns on goodput-based draft sizing; without it
+        every request drafts what its lookahead allows. A `costly_drafter` (a draft model, which pays
+        a forward pass per drafted depth) is also told how deep to draft before it runs."""
         self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.planner = None if cost is None else Planner(cost)
+        self.costly_drafter = costly_drafter
+        self._draft_seconds_per_depth = 0.0
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self.rebuild_target = rebuild_target
@@ -150,7 +160,11 @@ class SpecEngine:
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
             return None
-        requests = draft_requests(states, self.config)
+        depth_cap = None
+        if self.planner is not None and self.costly_drafter:
+            cap = max((s.policy.depth() for s in states), default=0)
+            depth_cap = self.planner.depth(len(states), cap, self._draft_seconds_per_depth)
+        requests = draft_requests(states, self.config, depth_cap)
         if not requests:
             return None
         drafter = self.drafters[group % len(self.drafters)]
@@ -174,7 +188,21 @@ class SpecEngine:
         for request_id in pending.request_ids:
             if request_id in self.active:
                 self.active[request_id].stats.draft_seconds += share
+        depth = max((tree.max_depth for tree in trees), default=0)
+        if depth:
+            per_depth = (done - pending.submitted) / depth
+            self._draft_seconds_per_depth += 0.2 * (per_depth - self._draft_seconds_per_depth)
         return dict(zip(pending.request_ids, trees))
+
+    def _plan(self, states: list[ActiveRequest], trees: list[DraftTree]) -> list[DraftTree]:
+        """Trees cut to what pays this step (all of them verified as drafted without a planner)."""
+        if self.planner is None:
+            return trees
+        return self.planner.trim([
+            Planned(tree, trimmable=state.request.lookahead is None and tree.draft_probs is None,
+                    factor=state.acceptance.factor)
+            for state, tree in zip(states, trees)
+        ])
 
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
@@ -204,7 +232,7 @@ class SpecEngine:
             return []
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
         trees_by_id = self._collect_draft(pending)
-        trees = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
+        trees = self._plan(states, [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states])
         began = time.perf_counter()
         verify = self.target.submit("verify", [(s.request_id, t) for s, t in zip(states, trees)])
         if self.config.pipeline:
@@ -229,6 +257,10 @@ class SpecEngine:
         state.stats.record(tree.max_depth, tree.num_drafted, accepted)
         state.policy.observe(tree.max_depth, accepted)
         state.gate.observe(tree.max_depth, accepted)
+        if self.planner is not None and tree.num_drafted:
+            acceptance = self.planner.acceptance
+            state.acceptance.observe(sum(path_probabilities(tree, acceptance)[1:]), accepted)
+            acceptance.observe(tree, result.accepted_nodes)
         new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len)
         self.counters.tokens += len(new)
         if state.finish_reason:
@@ -267,8 +299,9 @@ class SpecEngine:
         self.active.pop(state.request_id)
         if notify_target:
             self.target.submit("finish", state.request_id)
+        completed = [state.output] if state.finish_reason in ("stop", "length") and state.output else []
         for drafter in self.drafters:
-            drafter.submit("release", [state.request_id])
+            drafter.submit("release", [state.request_id], completed)
         return state.final_output()
 
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:

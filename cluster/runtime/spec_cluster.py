@@ -18,7 +18,8 @@ from actors.draft_worker import DraftWorker
 from actors.model.loader import load_config, load_tokenizer, resolve_model
 from actors.target_group import TargetGroup
 from actors.worker import RayActorWorker
-from cluster.engine.build import build_proposer
+from cluster.engine.build import build_proposer, cost_key_of
+from cluster.engine.cost import measure as measure_cost
 from cluster.engine.loop import EngineLoop, least_loaded
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
@@ -43,12 +44,17 @@ class SpecCluster:
         self.placement = reserve(spec)
         try:
             draft_actor = ray.remote(DraftWorker)
-            builder = functools.partial(build_proposer, engine_config)
+            # every draft actor serves the requests of every target group: room for all of them
+            shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * spec.num_target_groups})
+            builder = functools.partial(build_proposer, shared)
             self.drafters = [
                 RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(builder))
                 for i in range(spec.draft_actor_count)
             ]
             self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
+            plan = engine_config.step_token_budget is None and bool(self.drafters)
+            costly_drafter = bool(self.drafters) and self.drafters[0].submit("runs_a_model").result()
+            key = cost_key_of(engine_config, spec.tensor_parallel_size)
             for group in range(spec.num_target_groups):
                 count = len(self.drafters)
                 drafters = [self.drafters[(group + k) % count] for k in range(count)]
@@ -56,6 +62,9 @@ class SpecCluster:
                     self.target_groups[group], self.tokenizer, drafters, engine_config,
                     model_config.eos_token_ids, functools.partial(self._rebuild_target_group, group),
                     vocab_size=model_config.vocab_size,
+                    cost=measure_cost(self.target_groups[group], engine_config.max_sequences, engine_config.max_len, key)
+                    if plan else None,
+                    costly_drafter=costly_drafter,
                 )
                 self.loops.append(EngineLoop(engine, name=f"engine-{group}"))
         except BaseException:

@@ -12,10 +12,11 @@ import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.engine.config import Method
 from cluster.engine.loop import EngineLoop, least_loaded, stream as loop_stream
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import StepEvent
@@ -65,7 +66,7 @@ class SpeculationOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["default", "off", "none", "pld", "draft"] = "default"
+    method: Literal[("default", "off", *get_args(Method))] = "default"
     lookahead: Literal["fixed", "heuristic", "confidence"] | None = None
     num_speculative_tokens: int | None = Field(
         None, ge=0, le=64, validation_alias=AliasChoices("num_speculative_tokens", "max_speculative_tokens"))

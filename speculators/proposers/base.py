@@ -35,6 +35,9 @@ class Proposer(ABC):
     name: str = "proposer"
     #: whether trees carry the drafter's probabilities (sampled requests use them losslessly)
     provides_probabilities: bool = False
+    #: whether each drafted depth costs a forward pass of a network (the scheduler then decides how
+    #: deep to draft before asking); False for lookups that cost microseconds
+    runs_a_model: bool = False
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
@@ -45,6 +48,9 @@ class Proposer(ABC):
 
     def release(self, request_id: str) -> None:
         """The request finished or was cancelled: free its state."""
+
+    def learn(self, output_ids: Sequence[int]) -> None:
+        """A finished request's output (from any target group), for proposers that learn across requests."""
 
 
 @dataclass

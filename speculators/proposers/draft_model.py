@@ -51,6 +51,7 @@ class _Draft:
 class DraftModelProposer(Proposer):
     name = "draft"
     provides_probabilities = True
+    runs_a_model = True
 
     def __init__(self, model: TreeModel, width: int = 1):
         if width < 1:

@@ -2,7 +2,13 @@ import pytest
 
 from speculators.lookahead import LookaheadConfig, make_policy
 from speculators.proposers.base import DraftRequest
-from speculators.proposers.prompt_lookup import PromptLookupProposer, find_continuations
+from speculators.proposers.prompt_lookup import NgramIndex, PromptLookupProposer, lookup
+
+
+def find_continuations(tokens, max_ngram_size, length, max_branches):
+    index = NgramIndex(max_ngram_size)
+    index.sync(tokens)
+    return lookup(index, length, max_branches).paths
 
 
 def test_longest_ngram_wins_and_recent_matches_come_first():
@@ -19,6 +25,27 @@ def test_several_matches_become_branches():
         [DraftRequest("r", tokens, num_speculative_tokens=20, max_nodes=10)])[0]
     assert tree.token_ids == [2, 4, 0, 3, 0] and tree.parents == [-1, 0, 1, 0, 3]
     assert tree.draft_probs is None
+
+
+def test_prompt_lookup_scores_nodes_by_how_often_and_how_long_they_matched():
+    # "1 2" occurred twice before, once followed by 3 and once by 4: each branch gets about half
+    tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2]
+    tree = PromptLookupProposer(num_tokens=2, max_branches=3).propose(
+        [DraftRequest("r", tokens, num_speculative_tokens=20, max_nodes=10)])[0]
+    first, second = tree.confidence[1], tree.confidence[3]
+    assert first == second and 0.3 < first < 0.5
+    assert tree.confidence[2] > first  # the path's own continuation agrees with all its occurrences
+    # a single earlier occurrence of a long run is trusted more than of a short one
+    short = PromptLookupProposer(max_ngram_size=1).propose([DraftRequest("a", [7, 8, 9, 7], 4, 4)])[0]
+    long = PromptLookupProposer(max_ngram_size=3).propose([DraftRequest("b", [6, 7, 8, 9, 5, 6, 7, 8], 4, 4)])[0]
+    assert long.confidence[1] > short.confidence[1]
+
+
+def test_prompt_lookup_stops_a_branch_after_a_node_below_the_confidence_threshold():
+    tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 2]
+    request = DraftRequest("r", tokens, num_speculative_tokens=20, max_nodes=10, confidence_threshold=0.45)
+    tree = PromptLookupProposer(num_tokens=2, max_branches=3).propose([request])[0]
+    assert tree.token_ids == [2, 4, 3]  # each first token stays, nothing is drafted after it
 
 
 def test_depth_and_node_budget_are_respected():

@@ -10,12 +10,14 @@ from scipy.stats import chisquare
 
 from actors.model.llama import layer_skip_draft
 from actors.model.runner import ModelRunner
-from cluster.engine.config import SchedulerConfig
 from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.cost import CostCurve, CostPoint
 from cluster.engine.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.draft_model import DraftModelProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
 from tests.conftest import IdTokenizer, tiny_pair
 
@@ -26,6 +28,8 @@ NEW_TOKENS = 24
 def make_proposer(kind: str, model, slots: int):
     if kind == "pld":
         return PromptLookupProposer()
+    if kind == "suffix":
+        return SuffixProposer(max_spec_factor=4.0)
     if kind == "pld-tree":
         return PromptLookupProposer(num_tokens=6, max_branches=3)
     width = 3 if kind == "draft-tree" else 1
@@ -33,9 +37,9 @@ def make_proposer(kind: str, model, slots: int):
 
 
 def run_engine(model, proposer, prompts, lookahead=LookaheadConfig(), sampling=SamplingParams(), slots=4,
-               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False):
+               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False, cost=False):
     config = SchedulerConfig(max_sequences=slots, max_len=256, max_tree_nodes=max_tree_nodes, pipeline=pipeline)
-    engine = local_engine(model, IdTokenizer(), proposer, config)
+    engine = local_engine(model, IdTokenizer(), proposer, config, cost=cost)
     requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead)
                 for i, p in enumerate(prompts)]
     return engine.generate(requests)
@@ -66,7 +70,7 @@ LOOKAHEADS = [
 ]
 
 
-@pytest.mark.parametrize("kind,lookahead", list(itertools.product(["pld", "pld-tree", "draft", "draft-tree"], LOOKAHEADS)),
+@pytest.mark.parametrize("kind,lookahead", list(itertools.product(["pld", "pld-tree", "suffix", "draft", "draft-tree"], LOOKAHEADS)),
                          ids=lambda v: v if isinstance(v, str) else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
 def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, lookahead):
     """Every proposer, policy, chain and tree shape, on a batch of prompts of mixed lengths."""
@@ -74,6 +78,29 @@ def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, 
     outputs = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead)
     assert [o.token_ids for o in outputs] == plain_outputs
     assert sum(o.stats.accepted for o in outputs) > 0  # speculation actually happened
+
+
+STEEP = CostCurve([CostPoint(t, 1, 1.0 + 0.08 * t) for t in (1, 2, 4, 8, 16, 32, 64)])
+"""A pass costs 8% more per token: the planner keeps only likely nodes."""
+
+
+@pytest.mark.parametrize("kind", ["pld", "pld-tree", "suffix", "draft", "draft-tree"])
+def test_planned_drafts_keep_greedy_output_identical(tiny_model, plain_outputs, kind):
+    """The planner cuts trees to what pays (the engine's default): output unchanged, fewer tokens verified."""
+    model, _ = tiny_model
+    planned = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None, cost=STEEP)
+    assert [o.token_ids for o in planned] == plain_outputs
+    chosen = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None)
+    assert sum(o.stats.drafted for o in planned) < sum(o.stats.drafted for o in chosen)
+
+
+def test_a_request_that_chose_its_lookahead_gets_it_under_the_planner(tiny_model, plain_outputs):
+    model, _ = tiny_model
+    fixed = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
+    planned, unplanned = (run_engine(model, make_proposer("draft", model, 4), PROMPTS, fixed, cost=cost)
+                          for cost in (STEEP, False))
+    assert [o.token_ids for o in planned] == plain_outputs
+    assert [o.stats.drafted_per_position for o in planned] == [o.stats.drafted_per_position for o in unplanned]
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])

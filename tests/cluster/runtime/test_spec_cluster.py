@@ -13,6 +13,7 @@ from cluster.engine.build import local_engine
 from cluster.runtime.placement import ClusterSpec
 from cluster.engine.request import GenerationRequest
 from cluster.runtime.spec_cluster import SpecCluster
+from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.conftest import IdTokenizer
 
@@ -27,8 +28,13 @@ def expected(tiny_model_dir):
     return [o.token_ids for o in engine.generate(requests())]
 
 
+SPECULATE = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
+"""Chosen per request, so the tiny draft drafts whatever the planner would make of its cost."""
+
+
 def requests(prefix="r", max_new_tokens=NEW_TOKENS):
-    return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=max_new_tokens) for i, p in enumerate(PROMPTS)]
+    return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=max_new_tokens, lookahead=SPECULATE)
+            for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture(scope="module")

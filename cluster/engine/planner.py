@@ -1,0 +1,173 @@
+"""Goodput-based draft sizing: each step, verify the drafted tokens that maximise the batch's
+expected committed tokens per second (SmartSpec, Liu et al. 2024), down to none.
+
+Verification cost grows with the tokens in a pass (the target's measured `CostCurve`), and a
+drafted token is worth its probability of being accepted. That probability is learned online:
+`Acceptance` maps a drafter's own confidence in a node (draft probability, match counts) to the
+rate at which the target accepted nodes of that confidence, and `RequestAcceptance` scales it by
+how one request has fared against those predictions. Nodes are taken best first (a child is never
+likelier than its parent) while the batch's goodput (B + sum of kept probabilities) / T(B + kept)
+still grows, so a lone request drafts more where a pass of few tokens costs about one decode step,
+and a full batch drafts less or nothing once passes turn compute-bound.
+
+Lossless sampling: a tree carrying draft probabilities (sampled from a draft model) is never
+trimmed here, because keeping a sampled node or not by its own value would change the
+distribution it was drawn from. Deterministic trees (prompt lookup, suffix, greedy drafts) are a
+function of the context alone, so any trimming keeps them lossless.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine.cost import CostCurve
+from speculators.tree import DraftTree
+
+BUCKETS = 20
+PRIOR_WEIGHT = 4.0
+"""Pseudo-observations behind each estimate before the target has said anything."""
+DEPTH_PRIOR = 0.5
+"""Acceptance assumed for a node whose drafter gives no confidence, before any observation."""
+
+
+@dataclass
+class _Rate:
+    accepted: float
+    tried: float
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.tried
+
+
+class Acceptance:
+    """P(target accepts a node | its parent was accepted), learned from verification results: by
+    the drafter's confidence in the node when it gives one, and by depth (what is expected of a
+    node before it is drafted)."""
+
+    def __init__(self):
+        self._by_confidence = [_Rate(PRIOR_WEIGHT * (b + 0.5) / BUCKETS, PRIOR_WEIGHT) for b in range(BUCKETS)]
+        self._by_depth: dict[int, _Rate] = {}
+
+    def _depth_rate(self, depth: int) -> _Rate:
+        return self._by_depth.setdefault(depth, _Rate(PRIOR_WEIGHT * DEPTH_PRIOR, PRIOR_WEIGHT))
+
+    def _confidence_rate(self, confidence: float) -> _Rate:
+        return self._by_confidence[min(int(confidence * BUCKETS), BUCKETS - 1)]
+
+    def probability(self, confidence: float | None, depth: int) -> float:
+        rate = self._depth_rate(depth) if confidence is None else self._confidence_rate(confidence)
+        return rate.value
+
+    def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
+        """Every drafted node whose parent the target accepted was tried: accepted or not."""
+        on_path = set(accepted_nodes)
+        depths = tree.depths
+        for node in range(1, tree.size):
+            if tree.parents[node] not in on_path:
+                continue
+            confidence = _confidence(tree, node)
+            rates = [self._depth_rate(depths[node])]
+            if confidence is not None:
+                rates.append(self._confidence_rate(confidence))
+            for rate in rates:
+                rate.tried += 1
+                rate.accepted += node in on_path
+
+
+@dataclass
+class RequestAcceptance:
+    """How one request fares against the shared predictions: observed / predicted accepted tokens,
+    shrunk towards 1 (a request of code or translation accepts more than a chat reply)."""
+
+    predicted: float = 0.0
+    observed: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        return (self.observed + PRIOR_WEIGHT) / (self.predicted + PRIOR_WEIGHT)
+
+    def observe(self, predicted: float, observed: int) -> None:
+        self.predicted += predicted
+        self.observed += observed
+
+
+def _confidence(tree: DraftTree, node: int) -> float | None:
+    return None if tree.confidence is None else tree.confidence[node]
+
+
+def path_probabilities(tree: DraftTree, acceptance: Acceptance, factor: float = 1.0) -> list[float]:
+    """P(node and all its ancestors accepted) for every node (the root: 1)."""
+    probs = [1.0]
+    depths = tree.depths
+    for node in range(1, tree.size):
+        own = min(1.0, factor * acceptance.probability(_confidence(tree, node), depths[node]))
+        probs.append(probs[tree.parents[node]] * own)
+    return probs
+
+
+def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
+    """The tree restricted to `keep` (node indices that include every kept node's parent)."""
+    nodes = sorted(set(keep) | {0})
+    index = {node: i for i, node in enumerate(nodes)}
+    confidence = None if tree.confidence is None else [tree.confidence[n] for n in nodes]
+    probs = None if tree.draft_probs is None else tree.draft_probs[nodes]
+    return DraftTree([tree.token_ids[n] for n in nodes], [-1] + [index[tree.parents[n]] for n in nodes[1:]],
+                     probs, confidence)
+
+
+@dataclass
+class Planned:
+    """One request's draft as the planner sees it."""
+
+    tree: DraftTree
+    trimmable: bool
+    """False for a tree that must be verified as drafted (sampled draft probabilities, or a
+    request that chose its own lookahead)."""
+    factor: float = 1.0
+    probs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Planner:
+    cost: CostCurve
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    def trim(self, drafts: Sequence[Planned]) -> list[DraftTree]:
+        """Each draft cut to the nodes that maximise the batch's expected tokens per second."""
+        sequences = len(drafts)
+        fixed_tokens, value = sequences, float(sequences)
+        candidates = []  # (path probability, depth, draft index, node)
+        for index, draft in enumerate(drafts):
+            draft.probs = path_probabilities(draft.tree, self.acceptance, draft.factor)
+            if draft.trimmable:
+                depths = draft.tree.depths
+                candidates += [(-p, depths[n], index, n) for n, p in enumerate(draft.probs) if n]
+            else:
+                fixed_tokens += draft.tree.num_drafted
+                value += sum(draft.probs[1:])
+        candidates.sort()
+        best, best_count = value / self.cost.seconds(fixed_tokens, sequences), 0
+        for count, (negative, _, _, _) in enumerate(candidates, start=1):
+            value -= negative
+            goodput = value / self.cost.seconds(fixed_tokens + count, sequences)
+            if goodput > best:
+                best, best_count = goodput, count
+        kept: list[list[int]] = [[] for _ in drafts]
+        for _, _, index, node in candidates[:best_count]:
+            kept[index].append(node)
+        return [subtree(d.tree, kept[i]) if d.trimmable else d.tree for i, d in enumerate(drafts)]
+
+    def depth(self, sequences: int, cap: int, draft_seconds_per_depth: float) -> int:
+        """How deep a costly drafter (a draft model) should draft for a batch, before it drafts:
+        the common depth that maximises expected tokens per second of drafting plus verifying,
+        with the acceptance learned at each depth so far."""
+        best, best_depth = sequences / self.cost.seconds(sequences, sequences), 0
+        value, path = float(sequences), 1.0
+        for depth in range(1, cap + 1):
+            path *= self.acceptance.probability(None, depth)
+            value += sequences * path
+            goodput = value / (self.cost.seconds(sequences * (depth + 1), sequences) + depth * draft_seconds_per_depth)
+            if goodput > best:
+                best, best_depth = goodput, depth
+        return best_depth

@@ -1,0 +1,54 @@
+"""Draft trees from counted continuations: what followed earlier occurrences of the text's suffix.
+
+Shared by the draftless proposers (prompt lookup, suffix decoding). A continuation node's
+confidence is the share of the occurrences reaching its parent that continue with its token,
+shrunk less the longer the matched run is (the matched suffix plus the path down to the node):
+a token that followed a 12-token run is a safer bet than one that followed a single token.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from speculators.tree import DraftTree
+
+State = Any
+"""Where a continuation stands in the proposer's own structure (a trie node, a prefix)."""
+Expand = Callable[[State], Sequence[tuple[int, int, State]]]
+"""A node's continuations: (token, count, child state); counts of one node's children sum to its total."""
+
+
+def confidence(count: int, parent_total: int, run_length: int) -> float:
+    """P(next token) estimate from counts: count / (parent total + 1 / run length)."""
+    return count / (parent_total + 1.0 / run_length)
+
+
+def best_first_tree(root_token: int, root: State, total: int, expand: Expand, match_length: int,
+                    max_nodes: int, max_depth: int, min_probability: float, threshold: float = 0.0) -> DraftTree:
+    """The likeliest continuations as a tree: nodes taken in order of path probability (the
+    product of confidences from the root) while it stays above `min_probability`, within
+    `max_nodes` and `max_depth`; a branch ends after a node whose own confidence is below
+    `threshold` (the confidence lookahead rule)."""
+    tokens, parents, confidences = [root_token], [-1], [1.0]
+    frontier: list[tuple[float, int, int, State, int]] = []  # (-path prob, order, parent index, state, depth)
+    order = 0
+
+    def push(parent: int, state: State, parent_total: int, depth: int, path: float) -> None:
+        nonlocal order
+        for token, count, child in expand(state):
+            own = confidence(count, parent_total, match_length + depth)
+            heapq.heappush(frontier, (-path * own, order, parent, (token, count, child, own), depth + 1))
+            order += 1
+
+    push(0, root, total, 0, 1.0)
+    while frontier and len(tokens) <= max_nodes:
+        negative, _, parent, (token, count, state, own), depth = heapq.heappop(frontier)
+        if -negative < min_probability:
+            break
+        tokens.append(token)
+        parents.append(parent)
+        confidences.append(own)
+        if depth < max_depth and own >= threshold:
+            push(len(tokens) - 1, state, count, depth, -negative)
+    return DraftTree(tokens, parents, confidence=confidences)

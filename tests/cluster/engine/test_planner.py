@@ -1,0 +1,112 @@
+"""The cost curve and goodput-based draft sizing."""
+import json
+
+import pytest
+import torch
+
+from actors.model.runner import ModelRunner
+from actors.model.timing import time_passes
+from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
+from cluster.engine.planner import Acceptance, Planned, Planner, path_probabilities, subtree
+from speculators.tree import DraftTree
+
+
+def curve(per_token: float, base: float = 1.0, flat_until: int = 1) -> CostCurve:
+    """A pass costs `base` up to `flat_until` tokens, then `per_token` more per token."""
+    return CostCurve([CostPoint(t, 1, base + per_token * max(0, t - flat_until)) for t in (1, 2, 4, 8, 16, 32, 64)])
+
+
+def chain(length: int, confidence: float) -> DraftTree:
+    return DraftTree.chain(0, list(range(1, length + 1)), confidence=[1.0] + [confidence] * length)
+
+
+def test_cost_curve_interpolates_never_dips_and_charges_for_more_sequences():
+    cost = CostCurve([CostPoint(1, 1, 1.0), CostPoint(8, 1, 2.0), CostPoint(16, 1, 1.8), CostPoint(16, 4, 2.6)])
+    assert cost.seconds(4) == pytest.approx(1 + 3 / 7)
+    assert cost.seconds(16) == 2.0  # the measured dip at 16 is ignored
+    assert cost.seconds(16, 4) == pytest.approx(2.6)
+    assert cost.seconds(100) >= cost.seconds(16)
+    assert CostCurve.from_json(json.loads(json.dumps(cost.to_json()))).seconds(16, 4) == cost.seconds(16, 4)
+
+
+def test_a_flat_cost_keeps_likely_nodes_and_a_steep_cost_keeps_none():
+    likely = chain(6, 0.9)
+    flat = Planner(curve(per_token=0.0, flat_until=64))
+    steep = Planner(curve(per_token=1.0))
+    for planner in (flat, steep):
+        planner.acceptance = calibrated({0.9: 0.9})
+    assert flat.trim([Planned(likely, True)])[0].num_drafted == 6
+    assert steep.trim([Planned(likely, True)])[0].num_drafted == 0
+
+
+def test_a_full_batch_drafts_less_than_a_lone_request():
+    planner = Planner(curve(per_token=0.15, flat_until=4))
+    planner.acceptance = calibrated({0.6: 0.6})
+    alone = planner.trim([Planned(chain(8, 0.6), True)])
+    batch = planner.trim([Planned(chain(8, 0.6), True) for _ in range(16)])
+    assert alone[0].num_drafted > 0
+    assert sum(t.num_drafted for t in batch) / 16 < alone[0].num_drafted
+
+
+def test_sampled_trees_and_chosen_lookaheads_are_never_trimmed():
+    planner = Planner(curve(per_token=1.0))
+    sampled = DraftTree.chain(0, [1, 2, 3], draft_probs=torch.full((4, 5), 0.2), confidence=[1.0, 0.1, 0.1, 0.1])
+    kept = planner.trim([Planned(sampled, trimmable=False), Planned(chain(3, 0.1), trimmable=False)])
+    assert [t.num_drafted for t in kept] == [3, 3]
+
+
+def test_trimming_keeps_parents_with_children_and_remaps_the_tree():
+    tree = DraftTree([0, 5, 6, 7, 8], [-1, 0, 1, 0, 3], confidence=[1.0, 0.9, 0.9, 0.2, 0.9])
+    kept = subtree(tree, [1, 2])
+    assert kept.token_ids == [0, 5, 6] and kept.parents == [-1, 0, 1] and kept.confidence == [1.0, 0.9, 0.9]
+    planner = Planner(curve(per_token=0.3))
+    planner.acceptance = calibrated({0.9: 0.9, 0.2: 0.2})
+    trimmed = planner.trim([Planned(tree, True)])[0]
+    assert trimmed.token_ids[:3] == [0, 5, 6] and 8 not in trimmed.token_ids
+
+
+def test_acceptance_learns_what_the_target_accepts():
+    acceptance = Acceptance()
+    tree = chain(2, 0.95)
+    for _ in range(50):
+        acceptance.observe(tree, [0])  # the first node was always rejected
+    assert acceptance.probability(0.95, 1) < 0.1
+    assert path_probabilities(tree, acceptance)[1] < 0.1
+
+
+def test_a_costly_drafter_is_told_to_draft_shallower_when_its_passes_cost_more():
+    planner = Planner(curve(per_token=0.01))
+    assert planner.depth(1, 8, draft_seconds_per_depth=0.0) > planner.depth(1, 8, draft_seconds_per_depth=1.0)
+    assert planner.depth(1, 8, draft_seconds_per_depth=10.0) == 0
+
+
+def test_timed_passes_leave_the_runner_as_they_found_it(tiny_model):
+    model, _ = tiny_model
+    runner = ModelRunner(model, 4, 128)
+    seconds = time_passes(runner, [(1, 1), (8, 1), (8, 4)], context=16, repeats=2)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert all(runner.cache.allocate() is not None for _ in range(4))  # every slot was given back
+
+
+def test_measured_curves_are_cached(tiny_model, tmp_path, monkeypatch):
+    from actors.target_worker import TargetWorker
+    from actors.worker import LocalWorker
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    model, _ = tiny_model
+    worker = LocalWorker(TargetWorker(model, 4, 256))
+    first = measure(worker, 4, 256, key="tiny", repeats=1)
+    assert (tmp_path / "cost-curves" / "tiny.json").exists()
+    assert measure(worker, 4, 256, key="tiny").to_json() == first.to_json()
+    shapes, context = shapes_for(4, 256)
+    assert {s for _, s in shapes} == {1, 2, 4} and context + max(t for t, _ in shapes) < 256
+
+
+def calibrated(rates: dict[float, float]) -> Acceptance:
+    """An Acceptance that has seen nodes of each confidence accepted at the given rate."""
+    acceptance = Acceptance()
+    for confidence, rate in rates.items():
+        tree = chain(1, confidence)
+        for trial in range(400):
+            acceptance.observe(tree, [0, 1] if trial < rate * 400 else [0])
+    return acceptance
