@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.cost import CostCurve
-from cluster.engine.drafting import draft_requests
+from cluster.engine.drafting import SentTokens, draft_requests
 from cluster.engine.planner import Planned, Planner, path_probabilities
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
@@ -44,6 +44,7 @@ TARGET_FAILED = "the target worker group failed while decoding this request; ret
 @dataclass
 class _PendingDraft:
     future: Future
+    drafter: int
     request_ids: list[str]
     submitted: float
     """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
@@ -81,6 +82,7 @@ class SpecEngine:
         self._draft_seconds_per_depth = 0.0
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
+        self._sent = [SentTokens() for _ in self.drafters]
         self.rebuild_target = rebuild_target
         eos = set(eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -167,16 +169,18 @@ class SpecEngine:
         requests = draft_requests(states, self.config, depth_cap)
         if not requests:
             return None
-        drafter = self.drafters[group % len(self.drafters)]
-        return _PendingDraft(drafter.submit("propose", requests), [r.request_id for r in requests], time.perf_counter())
+        index = group % len(self.drafters)
+        future = self.drafters[index].submit("propose", self._sent[index].outgoing(requests))
+        return _PendingDraft(future, index, [r.request_id for r in requests], time.perf_counter())
 
     def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
             return {}
         began = time.perf_counter()
         try:
-            trees = pending.future.result()
+            reply = pending.future.result()
         except Exception as error:  # a dead or restarting draft actor: decode plainly this step
+            self._sent[pending.drafter].forget()
             self.counters.draft_failures += 1
             log.warning("drafter failed (%s); %d requests decode without speculation this step",
                         error, len(pending.request_ids))
@@ -184,6 +188,8 @@ class SpecEngine:
         finally:
             done = time.perf_counter()
             self.counters.draft_wait_seconds += done - began
+        trees = reply.trees
+        self._sent[pending.drafter].forget(reply.unknown)
         share = (done - pending.submitted) / len(pending.request_ids)
         for request_id in pending.request_ids:
             if request_id in self.active:
@@ -300,8 +306,9 @@ class SpecEngine:
         if notify_target:
             self.target.submit("finish", state.request_id)
         completed = [state.output] if state.finish_reason in ("stop", "length") and state.output else []
-        for drafter in self.drafters:
+        for drafter, sent in zip(self.drafters, self._sent):
             drafter.submit("release", [state.request_id], completed)
+            sent.forget([state.request_id])
         return state.final_output()
 
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:

@@ -29,6 +29,10 @@ class DraftRequest:
     confidence_threshold: float = 0.0
     """Confidence rule: a token the drafter gives less than this ends its branch."""
     sampling: SamplingParams = SamplingParams()
+    start: int = 0
+    """Where `token_ids` begins in the request's sequence. A proposer always gets the whole
+    sequence (start 0); between the engine and a draft worker only the tokens committed since the
+    last call travel, and the worker keeps the rest."""
 
 
 class Proposer(ABC):

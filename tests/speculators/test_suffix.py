@@ -35,9 +35,9 @@ def test_own_text_continuations_are_taken_most_frequent_first():
 def test_earlier_outputs_are_learned_through_the_draft_worker():
     worker = DraftWorker(lambda: SuffixProposer(max_spec_factor=2.0))
     request = DraftRequest("new", [40, 41, 10, 11, 12], 4, 8)
-    assert worker.propose([request])[0].num_drafted == 0
+    assert worker.propose([request]).trees[0].num_drafted == 0
     worker.release(["old"], outputs=[[10, 11, 12, 13, 14, 15]])
-    tree = worker.propose([DraftRequest("new2", [40, 41, 10, 11, 12], 4, 8)])[0]
+    tree = worker.propose([DraftRequest("new2", [40, 41, 10, 11, 12], 4, 8)]).trees[0]
     assert tree.token_ids[:4] == [12, 13, 14, 15]
 
 

@@ -110,3 +110,31 @@ def calibrated(rates: dict[float, float]) -> Acceptance:
         for trial in range(400):
             acceptance.observe(tree, [0, 1] if trial < rate * 400 else [0])
     return acceptance
+
+
+def test_draft_workers_get_only_new_tokens_and_name_requests_they_lost():
+    from actors.draft_worker import DraftWorker
+    from cluster.engine.drafting import SentTokens
+    from speculators.proposers.base import DraftRequest
+    from speculators.proposers.prompt_lookup import PromptLookupProposer
+
+    seen = []
+
+    class Recording(PromptLookupProposer):
+        def propose(self, requests):
+            seen.extend(list(r.token_ids) for r in requests)
+            return super().propose(requests)
+
+    worker, sent = DraftWorker(Recording), SentTokens()
+    first = sent.outgoing([DraftRequest("r", [1, 2, 3, 1, 2], 4, 4)])
+    assert first[0].start == 0
+    worker.propose(first)
+    second = sent.outgoing([DraftRequest("r", [1, 2, 3, 1, 2, 3, 1], 4, 4)])
+    assert (second[0].start, second[0].token_ids) == (5, [3, 1])
+    assert worker.propose(second).trees[0].token_ids[:2] == [1, 2]
+    assert seen[-1] == [1, 2, 3, 1, 2, 3, 1]  # the proposer sees the whole sequence
+    restarted = DraftWorker(Recording)
+    reply = restarted.propose(sent.outgoing([DraftRequest("r", [1, 2, 3, 1, 2, 3, 1, 2], 4, 4)]))
+    assert reply.unknown == ["r"] and reply.trees[0].num_drafted == 0
+    sent.forget(reply.unknown)
+    assert sent.outgoing([DraftRequest("r", [1, 2, 3, 1, 2, 3, 1, 2, 3], 4, 4)])[0].start == 0
