@@ -27,7 +27,7 @@ from typing import get_args
 import torch
 
 from bench.peers import PEERS, Generation, Runner, build_peers, with_baselines
-from cluster.engine.build import build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.build import ENGINE_OPTIONS, build_engine, encode_prompt, engine_config_from_args
 from cluster.engine.config import Method
 from cluster.engine.request import GenerationRequest
 from cluster.engine.stats import mean_accepted_tokens
@@ -41,6 +41,8 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "specbench" / "qu
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WARMUP_PROMPT, WARMUP_TOKENS = "Say hello.", 8
 _NOT_OPTIONS = ("command", "benchmark", "func")
+ENGINE_FLAGS = {path: flags[0] for flags, path in ENGINE_OPTIONS.items()}
+"""Engine options are stored under their EngineConfig field; their flags say it differently."""
 """Namespace entries set by the CLI's subcommands, not by options."""
 
 
@@ -238,13 +240,13 @@ def summarize(records: list[dict], baselines: dict[str, str]) -> dict:
 
 # --- report ------------------------------------------------------------------------------------
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(args: argparse.Namespace, *command: str) -> str:
     """The full command that reproduces this run, every option spelled out (defaults may change)."""
-    parts = ["specserve", "bench", "specbench"]
+    parts = ["specserve", *(command or ("bench", "specbench"))]
     for key, value in vars(args).items():
         if key in _NOT_OPTIONS or value is None or value is False:
             continue
-        flag = "--" + key.replace("_", "-")
+        flag = ENGINE_FLAGS.get(key) or "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
         else:

@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, specbench
+    from bench import cluster_bench, cost_curve, specbench
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     specbench.add_arguments(spec)
     add_engine_arguments(spec)
     spec.set_defaults(func=specbench.run)
+    curve = bench_sub.add_parser("cost-curve", help="what a verification pass costs, by the tokens in it",
+                                 formatter_class=defaults)
+    cost_curve.add_arguments(curve)
+    add_engine_arguments(curve)
+    curve.set_defaults(func=cost_curve.run)
 
     cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
                              formatter_class=defaults)
