@@ -42,6 +42,8 @@ class TargetShard:
         max_len: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
+        hidden_layers: Sequence[int] = (),
+        hidden_dtype: str = "float32",
     ):
         path = resolve_model(model)
         comm = Communicator()
@@ -50,7 +52,7 @@ class TargetShard:
             comm = TorchDistributedComm(load_config(path), device)
         self.rank = rank
         decoder = load_model(path, getattr(torch, dtype), device, ShardPlan(rank, world_size), comm)
-        self.worker = TargetWorker(decoder, max_sequences, max_len)
+        self.worker = TargetWorker(decoder, max_sequences, max_len, hidden_layers, getattr(torch, hidden_dtype))
 
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
         self.worker.start(requests)
@@ -81,7 +83,8 @@ class TargetGroup:
     different threads in one order across all ranks. Calls to the shards must go through `submit`.
 
     `actor_options` gives each rank's Ray options (placement passes its scheduling strategy there);
-    all ranks must land on one node, because they rendezvous on 127.0.0.1.
+    all ranks must land on one node, because they rendezvous on 127.0.0.1. `hidden_layers` and
+    `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads them (TargetWorker).
     """
 
     def __init__(
@@ -95,6 +98,8 @@ class TargetGroup:
         device: str = "cpu",
         actor_options: Sequence[dict[str, Any]] | None = None,
         ready_timeout_s: float = 600.0,
+        hidden_layers: Sequence[int] = (),
+        hidden_dtype: str = "float32",
     ):
         import ray
 
@@ -111,7 +116,8 @@ class TargetGroup:
         port, shard_class = _free_port(), ray.remote(TargetShard)
         self._shards = [
             shard_class.options(**options[rank]).remote(
-                model, rank, world_size, "127.0.0.1", port, max_sequences, max_len, dtype, device
+                model, rank, world_size, "127.0.0.1", port, max_sequences, max_len, dtype, device,
+                hidden_layers, hidden_dtype,
             )
             for rank in range(world_size)
         ]

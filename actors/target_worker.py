@@ -23,17 +23,23 @@ VERIFY_SALT = 0
 
 
 class TargetWorker:
-    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048):
+    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048,
+                 hidden_layers: Sequence[int] = (), hidden_dtype: torch.dtype = torch.float32):
+        """`hidden_layers` (a trained head's `Proposer.hidden_layers`): the hidden states that prefill
+        and verification return for committed tokens, in `hidden_dtype`, from rank 0 only."""
         self.model = model
         self.runner = ModelRunner(model, max_sequences, max_len)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
+        self.hidden_layers, self.hidden_dtype = tuple(hidden_layers), hidden_dtype
 
     @property
     def max_len(self) -> int:
         return self.runner.max_len
 
-    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
-        """Admit requests and prefill every prompt token but the last (the first tree's root)."""
+    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
+        """Admit requests and prefill every prompt token but the last (the first tree's root).
+
+        Returns the prefilled tokens' hidden states per request when `hidden_layers` asks for them."""
         for seq_id, prompt, sampling in requests:
             if not prompt:
                 raise ValueError(f"request {seq_id!r} has an empty prompt")
@@ -43,16 +49,26 @@ class TargetWorker:
             generator = None if sampling.greedy else sampling.generator(VERIFY_SALT)
             self._sampling[seq_id] = (sampling, generator)
         inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none") for s, p, _ in requests]
-        self.runner.forward(inputs)
+        _, hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
         for item in inputs:
             self.runner.commit(item.seq_id, range(len(item.token_ids)))
+        if not self._sends_hidden:
+            return None
+        return {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden) if rows is not None}
+
+    @property
+    def _sends_hidden(self) -> bool:
+        return bool(self.hidden_layers) and self.model.comm.rank == 0
 
     def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
         inputs = [TreeInput(seq_id, tree.token_ids, tree.parents) for seq_id, tree in batch]
-        all_logits = self.runner.forward(inputs)
+        all_logits, all_hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
         results = self._decide(batch, all_logits)
         for (seq_id, _), result in zip(batch, results):
             self.runner.commit(seq_id, result.accepted_nodes)
+        if self._sends_hidden:
+            for result, rows in zip(results, all_hidden):
+                result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
         return results
 
     def _decide(self, batch: Sequence[tuple[str, DraftTree]], all_logits: list[torch.Tensor]) -> list[VerifyResult]:

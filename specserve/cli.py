@@ -55,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import cluster_bench, cost_curve, specbench
+    from specserve import train
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     cost_curve.add_arguments(curve)
     add_engine_arguments(curve)
     curve.set_defaults(func=cost_curve.run)
+
+    trainer = sub.add_parser("train", help="train an EAGLE-3 or Medusa head on the target's own answers",
+                             formatter_class=defaults)
+    train.add_arguments(trainer)
+    trainer.set_defaults(func=train.run)
 
     cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
                              formatter_class=defaults)

@@ -53,3 +53,33 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)
+
+
+DRAFT_SALT = 1
+"""A drafter's random stream differs from the verifier's for the same seed."""
+
+
+class DraftGenerators:
+    """A drafter's random stream per sampled request (None for greedy ones)."""
+
+    def __init__(self):
+        self._streams: dict[str, torch.Generator] = {}
+
+    def get(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if request_id not in self._streams:
+            self._streams[request_id] = params.generator(DRAFT_SALT)
+        return self._streams[request_id]
+
+    def drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+
+def mapped_warp(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int,
+                params: SamplingParams) -> torch.Tensor:
+    """A head's sampling distribution over the target's vocabulary, from logits over its own
+    (smaller) draft vocabulary whose token i is target token target_ids[i]; other tokens get 0."""
+    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., target_ids] = draft_logits
+    return warp(full, params)

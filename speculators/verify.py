@@ -27,6 +27,9 @@ class VerifyResult:
     """The drafted tokens the target accepted (root excluded)."""
     next_token: int
     """The bonus token (after a fully accepted path) or the recovered token (after a rejection)."""
+    hidden: torch.Tensor | None = None
+    """The target's hidden states of `accepted_nodes` when its drafter reads them (set by the
+    target worker after the decision, on rank 0 only)."""
 
     @property
     def new_tokens(self) -> list[int]:

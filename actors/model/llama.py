@@ -8,7 +8,7 @@ Hugging Face checkpoints so state dicts load as they are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +189,6 @@ class LlamaDecoder(nn.Module):
         """Full-vocabulary logits of final hidden states (gathered across ranks)."""
         return self.comm.all_gather_last_dim(project(hidden, self.head_weight()))
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -203,22 +202,53 @@ class LlamaDecoder(nn.Module):
         Returns the normed final hidden states of `logit_rows` (indices into the packed tokens),
         or None when no row is asked for (a prefill skips the last MLP and the LM head).
         """
+        return self.forward_capturing(input_ids, positions, segments, cache, logit_rows)[0]
+
+    @torch.inference_mode()
+    def forward_capturing(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        segments: list[Segment],
+        cache: KVCache,
+        logit_rows: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward`, also returning the hidden states a trained head reads, for every packed token.
+
+        `capture` lists layers as Hugging Face's `hidden_states` numbers them (and vLLM's EAGLE-3
+        `eagle_aux_hidden_state_layer_ids`): i < num_layers is the residual stream entering layer i,
+        num_layers the normed final output. The captured rows are concatenated in that order:
+        [tokens, len(capture) x hidden]; None when nothing is captured.
+        """
         for segment in segments:
             cache.check_room(segment.end)
         batch = PackedBatch(segments, self.device)
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         last = len(self.model.layers) - 1
+        captured: dict[int, torch.Tensor] = {}
+        final_wanted = last + 1 in capture
         for index, layer in enumerate(self.model.layers):
+            if index in capture:
+                captured[index] = hidden
             attn_in = layer.input_layernorm(hidden)
             attn_out = layer.self_attn(attn_in, cos, sin, index, batch, cache, self.backend)
             hidden = hidden + self.comm.all_reduce(attn_out)
-            if index == last and logit_rows is not None:
+            if index == last and logit_rows is None and not final_wanted:
+                return None, _joined(captured, capture)
+            if index == last and logit_rows is not None and not final_wanted:
                 hidden = hidden.index_select(0, logit_rows)
-            elif index == last:
-                return None
             hidden = hidden + self.comm.all_reduce(layer.mlp(layer.post_attention_layernorm(hidden)))
-        return self.model.norm(hidden)
+        hidden = self.model.norm(hidden)
+        if final_wanted:
+            captured[last + 1] = hidden
+            hidden = None if logit_rows is None else hidden.index_select(0, logit_rows)
+        return hidden, _joined(captured, capture)
+
+
+def _joined(captured: dict[int, torch.Tensor], order: Sequence[int]) -> torch.Tensor | None:
+    return torch.cat([captured[layer] for layer in order], dim=-1) if order else None
 
 
 def decoder_from_tensors(

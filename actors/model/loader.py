@@ -165,6 +165,18 @@ def load_model(
     return model.to(device).eval()
 
 
+def load_tensors(name_or_path: str | os.PathLike, names: list[str], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Whole tensors by name from a model's checkpoint, those it has (a drafter on its own devices
+    reads the target's embedding and LM head this way, without loading the rest)."""
+    found = {}
+    for file in sorted(resolve_model(name_or_path).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            for name in set(names) & set(handle.keys()):
+                found[name] = handle.get_tensor(name).to(dtype).to(device)
+    return found
+
+
 def _parameter_names(config: DecoderConfig) -> set[str]:
     """The checkpoint tensors a decoder of this config reads (names as in Hugging Face checkpoints)."""
     with torch.device("meta"):

@@ -67,16 +67,24 @@ class ModelRunner:
         return state.scratch_mask[old:], state.scratch_depths[old:]
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        return self.forward_capturing(inputs)[0]
+
+    def forward_capturing(
+        self, inputs: Sequence[TreeInput], capture: Sequence[int] = ()
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """`forward`, plus each input's captured hidden states ([its tokens, len(capture) x hidden],
+        see `LlamaDecoder.forward_capturing`; None for inputs without tokens or when nothing is captured)."""
         for item in inputs:  # refuse the whole call before any sequence's scratch changes
             state = self._sequences[item.seq_id]
             if len(item.parents) != len(item.token_ids):
                 raise ValueError(f"{item.seq_id!r}: {len(item.token_ids)} tokens but {len(item.parents)} parents")
             self.cache.check_room(state.length + len(state.scratch_parents) + len(item.token_ids))
-        ids, positions, segments, rows, spans = [], [], [], [], []
+        ids, positions, segments, rows, spans, token_spans = [], [], [], [], [], []
         offset = 0
         for item in inputs:
             state = self._sequences[item.seq_id]
             count = len(item.token_ids)
+            token_spans.append((offset, offset + count) if count else None)
             if count == 0:
                 spans.append(None)
                 continue
@@ -94,17 +102,19 @@ class ModelRunner:
             rows.extend(wanted)
             offset += count
         if not segments:
-            return [None] * len(inputs)
+            return [None] * len(inputs), [None] * len(inputs)
         device = self.model.device
-        hidden = self.model(
+        hidden, captured = self.model.forward_capturing(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             segments,
             self.cache,
             torch.tensor(rows, device=device) if rows else None,
+            capture,
         )
         logits = self.model.logits(hidden).float() if rows else None
-        return [None if span is None else logits[span[0]:span[1]] for span in spans]
+        return ([None if span is None else logits[span[0]:span[1]] for span in spans],
+                [None if span is None or captured is None else captured[span[0]:span[1]] for span in token_spans])
 
     def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
         state = self._sequences[seq_id]

@@ -10,11 +10,12 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.draft_worker import DraftWorker
 from actors.model.llama import LlamaDecoder, layer_skip_draft
-from actors.model.loader import load_model, load_tokenizer, resolve_model
+from actors.model.heads import head_proposer, resolve_head
+from actors.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
-from cluster.engine.config import EngineConfig, SchedulerConfig
+from cluster.engine.config import HEAD_METHODS, EngineConfig, SchedulerConfig
 from cluster.engine.cost import CostCurve, cache_key, measure as measure_cost
 from cluster.engine.spec_engine import SpecEngine
 from speculators.lookahead import LookaheadConfig
@@ -26,7 +27,8 @@ from speculators.proposers.suffix import SuffixProposer
 
 def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> Proposer | None:
     """The configured drafter. A layer-skip draft shares `target`'s weights when given one, and
-    otherwise loads only the first N layers itself (a draft actor on its own devices)."""
+    otherwise loads only the first N layers itself (a draft actor on its own devices); a trained
+    head likewise shares the target's embedding (and LM head) or reads them from its checkpoint."""
     if config.method == "none":
         return None
     if config.method == "pld":
@@ -37,6 +39,10 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
                               min_token_prob=config.suffix_decoding_min_token_prob,
                               max_cached_tokens=config.suffix_decoding_max_cached_tokens)
     dtype = getattr(torch, config.dtype)
+    if config.method in HEAD_METHODS:
+        source = resolve_head(config.method, config.draft, config.model)
+        return head_proposer(config.method, source, load_config(resolve_model(config.model)), config.model,
+                             config.draft_width, config.medusa_choices, target, dtype, config.device)
     layers = config.layer_skip_layers()
     if layers is not None and target is not None:
         draft = layer_skip_draft(target, layers)
@@ -66,7 +72,8 @@ def local_engine(
     `cost` turns on the planner's draft sizing: a CostCurve to use, or True to measure the target's
     (read from the cache under `cost_key` when there).
     """
-    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len), "target")
+    hidden = {} if proposer is None else {"hidden_layers": proposer.hidden_layers, "hidden_dtype": proposer.hidden_dtype}
+    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, **hidden), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
     curve = None

@@ -13,7 +13,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
 
-Method = Literal["none", "pld", "suffix", "draft"]
+Method = Literal["none", "pld", "suffix", "draft", "eagle3", "eagle", "medusa"]
+HEAD_METHODS = ("eagle3", "eagle", "medusa")
+"""Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
 
 
@@ -44,13 +46,22 @@ class EngineConfig(SchedulerConfig):
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field(
         "pld", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
-        "the request's own text and earlier outputs) or draft (a draft model)")
+        "the request's own text and earlier outputs), draft (a draft model), or a trained head reading the "
+        "target's hidden states: eagle3 (EAGLE-3; EAGLE-1/2 checkpoints too, also as 'eagle') or medusa")
     draft: str = Field(
         "layer-skip:6",
-        description="draft model for method=draft: a model name/path with the target's tokenizer, or "
-        "'layer-skip:N' for a self-draft made of the target's first N layers",
+        description="method=draft: a model name/path with the target's tokenizer, or 'layer-skip:N' for a "
+        "self-draft made of the target's first N layers; eagle3/eagle/medusa: a head checkpoint folder or a "
+        "trained head's name such as 'eagle3:smollm2-135m' (the layer-skip default means the method's trained "
+        "head for the target)",
     )
-    draft_width: int = Field(1, ge=1, le=16, description="draft model: branches at the root of each tree")
+    draft_width: int = Field(
+        1, ge=1, le=16, description="draft model and sampled requests: branches at the root of each tree; "
+        "eagle3 greedy requests: 1 drafts a chain, k > 1 EAGLE-2's dynamic tree expanding the k best nodes "
+        "by k tokens at each depth")
+    medusa_choices: list[list[int]] | None = Field(
+        None, description="medusa: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); null "
+        "takes the head checkpoint's own")
     prompt_lookup_num_tokens: int = Field(
         10, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
         description="prompt lookup: most tokens copied after a match (alias pld_num_pred_tokens)")

@@ -32,6 +32,7 @@ from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
 from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
+from speculators.hidden import PendingHidden
 from speculators.lookahead import make_policy
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
@@ -94,6 +95,8 @@ class SpecEngine:
         self._pending_drafts: dict[int, _PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._next_group = 0
+        self._hidden = PendingHidden()
+        """The target's hidden states of committed tokens, until the request's next draft call."""
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class SpecEngine:
         requests = draft_requests(states, self.config, depth_cap)
         if not requests:
             return None
+        requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
         index = group % len(self.drafters)
         future = self.drafters[index].submit("propose", self._sent[index].outgoing(requests))
         return _PendingDraft(future, index, [r.request_id for r in requests], time.perf_counter())
@@ -215,7 +219,8 @@ class SpecEngine:
         events = []
         for future, request_ids in self._pending_starts:
             try:
-                future.result()
+                for request_id, rows in (future.result() or {}).items():
+                    self._hidden.add(request_id, 0, rows)
             except Exception as error:
                 log.error("prefill failed: %s", error)
                 for request_id in request_ids:
@@ -267,6 +272,8 @@ class SpecEngine:
             acceptance = self.planner.acceptance
             state.acceptance.observe(sum(path_probabilities(tree, acceptance)[1:]), accepted)
             acceptance.observe(tree, result.accepted_nodes)
+        if result.hidden is not None:
+            self._hidden.add(state.request_id, len(state.tokens) - 1, result.hidden)
         new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len)
         self.counters.tokens += len(new)
         if state.finish_reason:
@@ -303,6 +310,7 @@ class SpecEngine:
     def _finish(self, state: ActiveRequest, notify_target: bool = True) -> GenerationOutput:
         """Free the request's caches everywhere and build its output."""
         self.active.pop(state.request_id)
+        self._hidden.drop(state.request_id)
         if notify_target:
             self.target.submit("finish", state.request_id)
         completed = [state.output] if state.finish_reason in ("stop", "length") and state.output else []

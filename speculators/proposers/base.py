@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from speculators.hidden import TargetHidden
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 
@@ -33,6 +34,9 @@ class DraftRequest:
     """Where `token_ids` begins in the request's sequence. A proposer always gets the whole
     sequence (start 0); between the engine and a draft worker only the tokens committed since the
     last call travel, and the worker keeps the rest."""
+    hidden: TargetHidden | None = None
+    """The target's hidden states of tokens committed since the last call, for proposers that read
+    them (`Proposer.hidden_layers`); handed over once."""
 
 
 class Proposer(ABC):
@@ -42,6 +46,11 @@ class Proposer(ABC):
     #: whether each drafted depth costs a forward pass of a network (the scheduler then decides how
     #: deep to draft before asking); False for lookups that cost microseconds
     runs_a_model: bool = False
+    #: the target's hidden states this drafter reads, numbered as Hugging Face's `hidden_states`
+    #: (i < num_layers: entering layer i; num_layers: the normed final output); empty: none
+    hidden_layers: tuple[int, ...] = ()
+    #: the dtype it wants them in
+    hidden_dtype: torch.dtype = torch.float32
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
-from speculators.sampling import SamplingParams, warp
+from speculators.sampling import DraftGenerators, warp
 from speculators.tree import DraftTree, chain_parents
-
-DRAFT_SALT = 1  # the drafter's random stream differs from the verifier's for the same seed
 
 
 @dataclass
@@ -57,16 +55,9 @@ class DraftModelProposer(Proposer):
         if width < 1:
             raise ValueError("width must be >= 1")
         self.model, self.width = model, width
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators = DraftGenerators()
         self._last_drafts: dict[str, tuple[DraftTree, dict[int, int]]] = {}
         """request id -> its last tree and that tree's scratch_of, to keep the accepted path's K/V."""
-
-    def _generator(self, request: DraftRequest) -> torch.Generator | None:
-        if request.sampling.greedy:
-            return None
-        if request.request_id not in self._generators:
-            self._generators[request.request_id] = request.sampling.generator(DRAFT_SALT)
-        return self._generators[request.request_id]
 
     def _catch_up(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
         """Feed each request's not-yet-seen committed tokens; return the logits after its root."""
@@ -117,7 +108,7 @@ class DraftModelProposer(Proposer):
     def _grow(self, draft: _Draft, depth: int) -> list[int]:
         """Add the next token of every open branch (the root opens `width` branches)."""
         request = draft.request
-        generator = self._generator(request)
+        generator = self._generators.get(request.request_id, request.sampling)
         new_nodes, still_open = [], []
         for branch in draft.open_branches:
             room = request.max_nodes - (len(draft.tree_tokens) - 1)
@@ -182,5 +173,5 @@ class DraftModelProposer(Proposer):
     def release(self, request_id: str) -> None:
         if self.model.has(request_id):
             self.model.remove(request_id)
-        self._generators.pop(request_id, None)
+        self._generators.drop(request_id)
         self._last_drafts.pop(request_id, None)

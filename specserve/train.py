@@ -1,0 +1,182 @@
+"""`specserve train eagle3|medusa`: the target's own answers and hidden states, then the head.
+
+Two resumable stages under one work folder (default `$SPECSERVE_CACHE/train/<model>`):
+1. data: the target answers the prompt set (speculators/train/prompts.py) with greedy decoding,
+   in batches through the project's engine (prompt lookup drafts, which keeps it lossless and
+   faster); a `HiddenRecorder` drafter keeps the hidden states the engine hands it from those same
+   decoding passes (every layer any head here reads), so no second pass over the text is needed.
+   Shards of `data/` are written a batch at a time; a stopped run continues after the last one.
+2. training (speculators/train/): checkpoints in the run folder, resumed when present; the
+   final head is written in its serving format to `--out`.
+This module composes the runtime (actors/, cluster/) with the pure training code, which never
+imports either.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from actors.model.loader import DEFAULT_MODEL, cache_root, load_config, load_model, load_tensors, load_tokenizer, resolve_model
+from cluster.engine.build import encode_prompt, local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.request import GenerationRequest
+from speculators.heads.checkpoint import default_aux_layers, save_eagle3, save_medusa
+from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.train.dataset import Example, FeatureStore
+from speculators.train.eagle3 import Eagle3Objective, new_head
+from speculators.train.loop import TrainConfig, train
+from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
+from speculators.train.prompts import build_prompts
+from speculators.train.recorder import HiddenRecorder
+from speculators.train.vocab import coverage, frequent_tokens
+
+GENERATION_BATCH = 32
+"""Prompts handed to the engine at once (it decodes `max_sequences` of them concurrently)."""
+
+
+def work_folder(model: str) -> Path:
+    return cache_root() / "train" / Path(model).name
+
+
+def recorded_layers(num_layers: int) -> tuple[int, ...]:
+    """What the data keeps: EAGLE-3's three default layers and the final output (EAGLE-1/2, Medusa)."""
+    return (*default_aux_layers(num_layers), num_layers)
+
+
+def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
+                  max_prompt_tokens: int = 1024, device: str = "cpu", log=print) -> FeatureStore:
+    """The target's greedy answers to the prompt set, with their hidden states, into `folder`."""
+    target = load_model(model, device=device)
+    store = FeatureStore(folder, recorded_layers(target.config.num_layers))
+    done = store.recorded()
+    tokenizer = load_tokenizer(model)
+    prompts = build_prompts(count)
+    todo = [(i, p, encode_prompt(tokenizer, p.text, chat=True)) for i, p in enumerate(prompts) if i not in done]
+    todo = [item for item in todo if len(item[2]) <= max_prompt_tokens]
+    log(f"data: {len(done)} answers recorded, {len(todo)} to go ({folder})")
+    recorder = HiddenRecorder(PromptLookupProposer(), store.layers)
+    config = SchedulerConfig(max_sequences=max_sequences, max_len=max_prompt_tokens + max_new_tokens + 1,
+                             min_acceptance=0.0)  # keep drafting, so every step's rows reach the recorder
+    engine = local_engine(target, tokenizer, recorder, config)
+    for start in range(0, len(todo), GENERATION_BATCH):
+        batch = todo[start:start + GENERATION_BATCH]
+        requests = [GenerationRequest(uuid.uuid4().hex, ids, max_new_tokens=max_new_tokens) for _, _, ids in batch]
+        examples = []
+        for (index, prompt, ids), request, output in zip(batch, requests, engine.generate(requests)):
+            rows = recorder.collect(request.request_id)
+            if rows is None:
+                continue
+            tokens = torch.tensor(ids + output.token_ids)[: rows.shape[0] + 1]
+            examples.append(Example(index, tokens, rows, len(ids), prompt.held_out))
+        store.write(examples)
+        log(f"data: {len(done) + start + len(batch)}/{len(done) + len(todo)}")
+    return store
+
+
+def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConfig, draft_vocab: int = 8192,
+               ttt_steps: int = 3, medusa_heads: int = 4, tree_size: int = 24, verifier: str | None = None,
+               log=print) -> dict:
+    """Train an `eagle3` or `medusa` head on the data in `folder` and write it to `out`.
+
+    Returns what the head's card reports (data, steps, held-out figures)."""
+    target_config = load_config(resolve_model(model))
+    store = FeatureStore(folder / "data", recorded_layers(target_config.num_layers))
+    layers = default_aux_layers(target_config.num_layers) if kind == "eagle3" else (target_config.num_layers,)
+    examples = store.read(layers)
+    train_set = [e for e in examples if not e.held_out]
+    held_out = [e for e in examples if e.held_out]
+    responses = [e.tokens[e.prompt_length:] for e in train_set]
+    vocabulary = frequent_tokens(responses, draft_vocab, target_config.vocab_size)
+    embedding = load_tensors(model, ["model.embed_tokens.weight", "lm_head.weight"], device=config.device)
+    lm_head = embedding.get("lm_head.weight", embedding["model.embed_tokens.weight"])
+    log(f"{kind}: {len(train_set)} training and {len(held_out)} held-out answers, "
+        f"{sum(len(r) for r in responses)} response tokens; draft vocabulary {len(vocabulary)} covers "
+        f"{coverage([e.tokens[e.prompt_length:] for e in held_out], vocabulary, target_config.vocab_size):.1%} "
+        "of held-out response tokens")
+    if kind == "eagle3":
+        module = new_head(target_config.hf_config, vocabulary, layers, lm_head[vocabulary])
+        module.share_target(embedding["model.embed_tokens.weight"])
+        objective = Eagle3Objective(module, ttt_steps)
+    else:
+        module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
+        objective = MedusaObjective(module)
+    held = train(module, objective, train_set, held_out, config, folder / "runs" / kind, log)
+    figures = objective.summary(held)
+    verifier = verifier or str(model)
+    if kind == "eagle3":
+        save_eagle3(module, out, verifier, list(target_config.hf_config.architectures or ["LlamaForCausalLM"]), ttt_steps)
+    else:
+        choices = choose_tree(objective.rank_rates(held), tree_size)
+        save_medusa(module, out, verifier, choices)
+    steps = json.loads((folder / "runs" / kind / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    return {"kind": kind, "target": verifier, "training_answers": len(train_set), "held_out_answers": len(held_out),
+            "response_tokens": sum(len(r) for r in responses), "rows": sum(e.hidden.shape[0] for e in train_set),
+            "steps": steps, "held_out": figures, "config": asdict(config), "draft_vocab": len(vocabulary),
+            "vocab_coverage": coverage([e.tokens[e.prompt_length:] for e in held_out], vocabulary, target_config.vocab_size),
+            **({"ttt_steps": ttt_steps} if kind == "eagle3" else {"medusa_choices": choices})}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("kind", choices=["eagle3", "medusa"], help="the head to train")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="target: a known name, a .gguf file or a HF directory")
+    parser.add_argument("--out", type=Path, default=None, help="where the head goes (default: <workdir>/<kind>)")
+    parser.add_argument("--workdir", type=Path, default=None, help="data and run checkpoints (default: $SPECSERVE_CACHE/train/<model>)")
+    parser.add_argument("--prompts", type=int, default=1200, help="prompts the target answers")
+    parser.add_argument("--max-new-tokens", type=int, default=192, help="longest answer")
+    parser.add_argument("--max-sequences", type=int, default=8, help="answers decoded at once")
+    parser.add_argument("--no-generate", action="store_true", help="train on the data already recorded, without adding more")
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--batch-rows", type=int, default=2048, help="tokens per training step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the target's most frequent output tokens")
+    parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: drafting steps unrolled in training (training-time test)")
+    parser.add_argument("--medusa-heads", type=int, default=4)
+    parser.add_argument("--tree-size", type=int, default=24, help="medusa: nodes of the tree chosen from held-out ranks")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 products")
+    parser.add_argument("--verifier-name", default=None, help="the target's name written into the head's config (default: --model)")
+
+
+def run(args) -> int:
+    folder = args.workdir or work_folder(args.model)
+    out = args.out or folder / args.kind
+    if not args.no_generate:
+        generate_data(args.model, folder / "data", args.prompts, args.max_new_tokens, args.max_sequences, device=args.device)
+    config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
+                         autocast=not args.no_autocast)
+    card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,
+                      args.tree_size, args.verifier_name)
+    card["command"] = shlex.join(["specserve", *sys.argv[1:]])  # as typed
+    write_card(out, card)
+    print(f"wrote {out}")
+    return 0
+
+
+def write_card(out: Path, card: dict) -> None:
+    """`card.json` and a short README.md beside the head: data, steps, held-out figures."""
+    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    figures = card["held_out"]
+    depths = ", ".join(f"{figures[k]:.1%}" for k in figures if k.startswith("top1@"))
+    lines = [
+        f"# {card['kind']} head for {card['target']}", "",
+        f"Trained by `{card['command']}`.", "",
+        f"- data: the target's own greedy answers to {card['training_answers'] + card['held_out_answers']} prompts of "
+        "speculators/train/prompts.py (chat, writing, translation, summaries of documents, questions, questions about "
+        f"documents, math, code; none from Spec-Bench): {card['response_tokens']} response tokens and "
+        f"{card['rows']} hidden-state rows for training; {card['held_out_answers']} answers held out",
+        f"- draft vocabulary: the {card['draft_vocab']} most frequent output tokens, "
+        f"{card['vocab_coverage']:.1%} of held-out response tokens",
+        f"- training: {card['steps']} steps of about {card['config']['batch_rows']} tokens, AdamW lr {card['config']['lr']}, "
+        f"{card['config']['epochs']} epochs" + (f", training-time test over {card['ttt_steps']} steps" if "ttt_steps" in card else ""),
+        f"- held-out: loss {figures['loss']:.3f}; top-1 agreement with the target by depth: {depths}; "
+        f"estimated accepted tokens per pass for a chain as deep as that: {figures['accept']:.2f}",
+    ]
+    if "medusa_choices" in card:
+        lines.append(f"- tree ({len(card['medusa_choices'])} nodes, from held-out ranks): `{card['medusa_choices']}`")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
