@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on Python 3.10
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from actors.draft_worker import DraftWorker
 from actors.model.distributed import TorchDistributedComm, init_process_group
+from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.sharding import Communicator, ShardPlan
 from actors.target_worker import TargetWorker
+from speculators.hidden import PendingHidden
+from speculators.proposers.base import Proposer
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
@@ -44,6 +49,7 @@ class TargetShard:
         device: str = "cpu",
         hidden_layers: Sequence[int] = (),
         hidden_dtype: str = "float32",
+        build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
     ):
         path = resolve_model(model)
         comm = Communicator()
@@ -52,16 +58,33 @@ class TargetShard:
             comm = TorchDistributedComm(load_config(path), device)
         self.rank = rank
         decoder = load_model(path, getattr(torch, dtype), device, ShardPlan(rank, world_size), comm)
+        if build_drafter is not None and world_size > 1:
+            raise ValueError("a co-located drafter needs a target of one rank (tensor parallel size 1)")
+        self.drafter = None if build_drafter is None else ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder)))
+        if self.drafter is not None:
+            hidden_layers, hidden_dtype = self.drafter.hidden_spec()
         self.worker = TargetWorker(decoder, max_sequences, max_len, hidden_layers, getattr(torch, hidden_dtype))
 
-    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
-        self.worker.start(requests)
+    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
+        hidden = self.worker.start(requests)
+        return hidden if self.drafter is None else self.drafter.keep_prefill(hidden)
 
     def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
-        return self.worker.verify(batch)
+        results = self.worker.verify(batch)
+        if self.drafter is not None:
+            self.drafter.keep_verified(batch, results, self.worker.runner)
+        return results
+
+    def draft(self, method: str, *args: Any) -> Any:
+        """A call to the co-located drafter (ColocatedDrafter): propose, release, runs_a_model."""
+        if self.drafter is None:
+            raise RuntimeError("this target shard has no co-located drafter")
+        return self.drafter.call(method, *args)
 
     def finish(self, seq_id: str) -> None:
         self.worker.finish(seq_id)
+        if self.drafter is not None:
+            self.drafter.pending.drop(seq_id)
 
     def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
         return self.worker.time_passes(shapes, context, repeats)
@@ -72,6 +95,35 @@ class TargetShard:
 
     def ping(self) -> int:
         return self.rank
+
+
+class ColocatedDrafter:
+    """A drafter living in its target shard's process (one-GPU deployments): it shares the target's
+    weights (a head's embedding and LM head), and the hidden states it reads stay in the process,
+    kept here from prefill and verification until the request's next propose call instead of
+    travelling to the engine and back."""
+
+    def __init__(self, worker: DraftWorker):
+        self.worker, self.pending = worker, PendingHidden()
+
+    def hidden_spec(self) -> tuple[tuple[int, ...], str]:
+        return self.worker.hidden_spec()
+
+    def keep_prefill(self, hidden: dict[str, torch.Tensor] | None) -> None:
+        for seq_id, rows in (hidden or {}).items():
+            self.pending.add(seq_id, 0, rows)
+
+    def keep_verified(self, batch: Sequence[tuple[str, DraftTree]], results: list[VerifyResult], runner) -> None:
+        for (seq_id, _), result in zip(batch, results):
+            if result.hidden is not None:
+                root = runner.committed_length(seq_id) - len(result.accepted_nodes)
+                self.pending.add(seq_id, root, result.hidden)
+                result.hidden = None
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method == "propose":
+            args = ([replace(r, hidden=self.pending.take(r.request_id)) for r in args[0]],)
+        return getattr(self.worker, method)(*args)
 
 
 class TargetGroup:
@@ -85,6 +137,7 @@ class TargetGroup:
     `actor_options` gives each rank's Ray options (placement passes its scheduling strategy there);
     all ranks must land on one node, because they rendezvous on 127.0.0.1. `hidden_layers` and
     `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads them (TargetWorker).
+    `build_drafter` (TP 1 only) puts the drafter in the shard's process, built over its decoder.
     """
 
     def __init__(
@@ -100,6 +153,7 @@ class TargetGroup:
         ready_timeout_s: float = 600.0,
         hidden_layers: Sequence[int] = (),
         hidden_dtype: str = "float32",
+        build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
     ):
         import ray
 
@@ -117,7 +171,7 @@ class TargetGroup:
         self._shards = [
             shard_class.options(**options[rank]).remote(
                 model, rank, world_size, "127.0.0.1", port, max_sequences, max_len, dtype, device,
-                hidden_layers, hidden_dtype,
+                hidden_layers, hidden_dtype, build_drafter,
             )
             for rank in range(world_size)
         ]

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at once, comma separated levels")
     parser.add_argument("--tensor-parallel", type=int, default=2, help="target shards in the target group")
     parser.add_argument("--draft-actors", type=int, default=1, help="draft actors")
+    parser.add_argument("--colocate", action="store_true",
+                        help="the drafter in the target shard's process instead of draft actors (needs --tensor-parallel 1)")
     parser.add_argument("--method", default=EngineConfig().method, choices=[m for m in get_args(Method) if m != "none"],
                         help="drafter of the draft actors")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -80,7 +82,8 @@ def markdown(report: dict) -> str:
         rows.append(f"| {level} | {v['plain_tokens_per_s']:.2f} | {v['speculative_tokens_per_s']:.2f} | "
                     f"{v['speedup']:.2f}x | {v['mean_accepted_tokens']:.2f} | {rounds} |")
     config = report["config"]
-    head = (f"Cluster bench: TP={config['tensor_parallel']}, {config['draft_actors']} draft actor(s) ({config['method']}), "
+    drafters = "drafter co-located with the target" if config.get("colocate") else f"{config['draft_actors']} draft actor(s)"
+    head = (f"Cluster bench: TP={config['tensor_parallel']}, {drafters} ({config['method']}), "
             f"{config['max_new_tokens']} new tokens, medians of {config['rounds']} interleaved rounds; greedy outputs "
             f"identical across settings and rounds: {report['outputs_identical']}")
     return head + "\n\n" + "\n".join(rows) + f"\n\nCommand: `{report['command']}`\n"
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     step = max(1, len(questions) // max(levels))
     prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions[::step][: max(levels)]]
     engine = engine_config_from_args(args, args.method, max_sequences=max(levels))
-    spec = ClusterSpec(engine=engine, tensor_parallel_size=args.tensor_parallel, num_draft_actors=args.draft_actors)
+    spec = ClusterSpec(engine=engine, tensor_parallel_size=args.tensor_parallel, num_draft_actors=args.draft_actors,
+                       colocate_drafter=args.colocate)
     cluster = SpecCluster(spec).start()
     by_level = {}
     try:

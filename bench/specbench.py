@@ -46,13 +46,15 @@ ENGINE_FLAGS = {path: flags[0] for flags, path in ENGINE_OPTIONS.items()}
 """Namespace entries set by the CLI's subcommands, not by options."""
 
 
-def comma_list(choices: Iterable[str] | None = None) -> Callable[[str], list[str]]:
-    """argparse type for 'a,b,c' ("none" or "" = empty), checked against `choices` when given."""
+def comma_list(choices: Iterable[str] | None = None, variants: bool = False) -> Callable[[str], list[str]]:
+    """argparse type for 'a,b,c' ("none" or "" = empty), checked against `choices` when given;
+    with `variants`, an item may carry settings ('eagle3+draft_width=4', see method_variant)."""
     allowed = None if choices is None else tuple(choices)
 
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip() and item.strip() != "none"]
-        unknown = [item for item in items if allowed is not None and item not in allowed]
+        base = (lambda item: item.split("+")[0]) if variants else (lambda item: item)
+        unknown = [item for item in items if allowed is not None and base(item) not in allowed]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
         return items
@@ -62,8 +64,10 @@ def comma_list(choices: Iterable[str] | None = None) -> Callable[[str], list[str
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    parser.add_argument("--methods", type=comma_list(METHODS), default=["pld", "draft"],
-                        help="our methods, comma separated (none, pld, draft); plain decoding 'none' always runs")
+    parser.add_argument("--methods", type=comma_list(METHODS, variants=True), default=["pld", "draft"],
+                        help=f"our methods, comma separated ({', '.join(METHODS)}); plain decoding 'none' always "
+                             "runs. A method may carry engine settings of its own, joined by '+': "
+                             "'eagle3+draft_width=4+lookahead.policy=fixed'")
     parser.add_argument("--peers", type=comma_list(PEERS), default=["hf", "hf-pld", "hf-assisted", "llama-cpp-pld"],
                         help=f"peers, comma separated ({', '.join(PEERS)}) or 'none'; each peer's own plain "
                              "decoding (hf, llama-cpp) runs with it")
@@ -105,18 +109,41 @@ def load_questions(path: Path, tasks: list[str] | None = None, limit: int | None
 
 # --- methods -----------------------------------------------------------------------------------
 
-def engine_runner(args: argparse.Namespace, method: str):
-    """Our engine for one method, built once: (Runner, engine, tokenizer)."""
+def method_variant(name: str) -> tuple[str, dict[str, str]]:
+    """'eagle3+draft_width=4+lookahead.policy=fixed' -> ('eagle3', {'draft_width': '4', ...}): a method
+    with engine options of its own, so variants of one method run side by side in one run."""
+    method, *settings = name.split("+")
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{name!r}: a variant's settings read field=value, got {setting!r}")
+        overrides[key] = value
+    return method, overrides
+
+
+def variant_config(args: argparse.Namespace, name: str):
+    """The EngineConfig of a method variant: the command's options, then the variant's own."""
+    method, overrides = method_variant(name)
     config = engine_config_from_args(args, method)
+    lookahead = {k.removeprefix("lookahead."): v for k, v in overrides.items() if k.startswith("lookahead.")}
+    top = {k: v for k, v in overrides.items() if not k.startswith("lookahead.")}
+    return type(config).model_validate({**config.model_dump(), **top,
+                                        "lookahead": {**config.lookahead.model_dump(), **lookahead}})
+
+
+def engine_runner(args: argparse.Namespace, name: str):
+    """Our engine for one method (or method variant), built once: (Runner, engine, tokenizer)."""
+    config = variant_config(args, name)
     engine, tokenizer = build_engine(config)
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> Generation:
         request = GenerationRequest(uuid.uuid4().hex, prompt_ids, max_new_tokens=max_new_tokens,
-                                    speculate=method != PLAIN)
+                                    speculate=config.method != PLAIN)
         output = engine.generate([request])[0]
         return Generation(output.token_ids, output.finish_reason, output.stats.target_forwards)
 
-    return Runner(method, PLAIN, generate), engine, tokenizer
+    return Runner(name, PLAIN, generate), engine, tokenizer
 
 
 def warm_up(runners: list[Runner], prompt_ids: list[int], notes: dict[str, str]) -> list[Runner]:

@@ -61,6 +61,10 @@ class ClusterSpec(BaseModel):
         0, ge=0, description="CPUs reserved per actor; 0 because GPU actors asking for CPUs exhaust a small node's CPUs"
     )
     placement_timeout_s: float = Field(30, gt=0, description="seconds to wait for the placement groups to be ready")
+    colocate_drafter: bool = Field(
+        False, description="run the drafter inside each target shard's process instead of draft actors (one-GPU "
+        "deployments: a trained head then shares the target's embedding and LM head, and its hidden states stay in "
+        "the process); needs tensor_parallel_size 1; num_draft_actors is then ignored")
 
     @model_validator(mode="after")
     def _drafter_has_actors(self) -> ClusterSpec:
@@ -72,10 +76,18 @@ class ClusterSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _colocated_needs_one_rank(self) -> ClusterSpec:
+        if self.colocate_drafter and self.tensor_parallel_size != 1:
+            raise ValueError("colocate_drafter needs tensor_parallel_size 1: with more ranks, put the drafter on its "
+                             "own GPU (draft actors), where it reads the hidden states rank 0 sends")
+        return self
+
     @property
     def draft_actor_count(self) -> int:
-        """Draft actors actually placed: none for plain decoding, whatever num_draft_actors says."""
-        return 0 if self.engine.method == "none" else self.num_draft_actors
+        """Draft actors actually placed: none for plain decoding or a co-located drafter, whatever
+        num_draft_actors says."""
+        return 0 if self.engine.method == "none" or self.colocate_drafter else self.num_draft_actors
 
     def target_bundles(self) -> list[Bundle]:
         """Bundles of one target group, one per tensor-parallel rank (rank i runs in bundle i)."""

@@ -4,13 +4,15 @@ Placement reserves disjoint GPU sets; each target group is a TargetGroup of tens
 actors; draft actors are DraftWorkers that restart themselves when they die (their per-request
 state is rebuilt from the next call's token ids). Each target group gets its own engine and engine
 loop thread, and every engine uses all draft actors, starting from a different one, so that the
-two micro-batches of a pipelined engine are drafted on different actors.
+two micro-batches of a pipelined engine are drafted on different actors. With `colocate_drafter`
+there are no draft actors: each target shard runs its own drafter in its process.
 """
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import ray
 
@@ -26,6 +28,22 @@ from cluster.engine.spec_engine import SpecEngine
 from cluster.runtime.placement import ClusterSpec, Placement, reserve
 
 log = logging.getLogger(__name__)
+
+
+def _build_with_target(config, target):
+    """The drafter of a co-located target shard, sharing the shard's decoder (module level: pickled)."""
+    return build_proposer(config, target)
+
+
+class ColocatedWorker:
+    """The engine's handle on a drafter that lives in its target group's shard: draft calls go to
+    the shard's `draft` method, on whichever group is current (a failed group is rebuilt)."""
+
+    def __init__(self, group: Callable[[], TargetGroup]):
+        self.group = group
+
+    def submit(self, method: str, *args) -> Future:
+        return self.group().submit("draft", method, *args)
 
 
 class SpecCluster:
@@ -51,13 +69,17 @@ class SpecCluster:
                 RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(builder))
                 for i in range(spec.draft_actor_count)
             ]
+            self._hidden_spec = self.drafters[0].submit("hidden_spec").result() if self.drafters else ((), "float32")
             self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
-            plan = engine_config.step_token_budget is None and bool(self.drafters)
-            costly_drafter = bool(self.drafters) and self.drafters[0].submit("runs_a_model").result()
+            colocated = spec.colocate_drafter and engine_config.method != "none"
+            plan = engine_config.step_token_budget is None and (bool(self.drafters) or colocated)
             key = cost_key_of(engine_config, spec.tensor_parallel_size)
             for group in range(spec.num_target_groups):
                 count = len(self.drafters)
                 drafters = [self.drafters[(group + k) % count] for k in range(count)]
+                if colocated:
+                    drafters = [ColocatedWorker(functools.partial(lambda g: self.target_groups[g], group))]
+                costly_drafter = bool(drafters) and drafters[0].submit("runs_a_model").result()
                 engine = SpecEngine(
                     self.target_groups[group], self.tokenizer, drafters, engine_config,
                     model_config.eos_token_ids, functools.partial(self._rebuild_target_group, group),
@@ -75,9 +97,13 @@ class SpecCluster:
     def _new_target_group(self, group: int) -> TargetGroup:
         config = self.spec.engine
         options = [self.placement.target_options(group, rank) for rank in range(self.spec.tensor_parallel_size)]
+        colocated = self.spec.colocate_drafter and config.method != "none"
+        layers, dtype = self._hidden_spec
         return TargetGroup(
             config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
             max_len=config.max_len, dtype=config.dtype, device=config.device, actor_options=options,
+            hidden_layers=layers, hidden_dtype=dtype,
+            build_drafter=functools.partial(_build_with_target, config) if colocated else None,
         )
 
     def _rebuild_target_group(self, group: int) -> TargetGroup:
