@@ -67,3 +67,12 @@ def tiny_model_dir(tmp_path_factory, default_model_path):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_heads(tiny_model, tmp_path_factory):
+    """(EAGLE-3 head, Medusa heads, their held-out figures) trained for seconds on the tiny target's
+    own answers, the way `specserve train` trains: drafts of theirs get accepted."""
+    from tests.speculators.heads_fixtures import trained_tiny_heads
+
+    return trained_tiny_heads(tiny_model[0], tmp_path_factory.mktemp("tiny-heads"))

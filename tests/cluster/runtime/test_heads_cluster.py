@@ -1,0 +1,77 @@
+"""Trained heads on the Ray cluster (fake GPUs): in a draft actor beside a TP=2 target, whose rank 0
+sends the hidden states, and co-located in a one-rank target's process. Output equals plain
+decoding, and the heads' drafts are accepted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.model.loader import load_model
+from cluster.engine.build import local_engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.request import GenerationRequest
+from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.spec_cluster import ColocatedWorker, SpecCluster
+from speculators.heads.checkpoint import save_eagle3, save_medusa
+from speculators.lookahead import LookaheadConfig
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
+from tests.conftest import IdTokenizer
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
+SPECULATE = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
+
+
+def requests(prefix):
+    return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=32, lookahead=SPECULATE) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
+    return [o.token_ids for o in engine.generate(requests("e"))]
+
+
+@pytest.fixture(scope="module")
+def head_folders(tiny_heads, tmp_path_factory):
+    eagle, medusa, _, _ = tiny_heads
+    folder = tmp_path_factory.mktemp("heads")
+    save_eagle3(eagle, folder / "eagle3", "tiny", ["LlamaForCausalLM"], dtype=torch.float32)
+    save_medusa(medusa, folder / "medusa", "tiny", [[0], [1], [0, 0], [0, 1], [0, 0, 0]], dtype=torch.float32)
+    return folder
+
+
+def run_cluster(spec: ClusterSpec, prefix: str):
+    """(outputs, the engine's drafters, the hidden states the target was told to send)."""
+    cluster = SpecCluster(spec).start()
+    try:
+        outputs = cluster.generate(requests(prefix), timeout_s=180)
+        return outputs, cluster.loops[0].engine.drafters, cluster._hidden_spec[0]
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("method,width", [("eagle3", 2), ("medusa", 1)], ids=["eagle3-tree", "medusa"])
+def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method, width):
+    engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
+                          draft_width=width, max_sequences=4, max_len=256)
+    outputs, _, layers = run_cluster(ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=1), method)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.stats.accepted for o in outputs) > 0
+    assert layers == ((1, 2, 3) if method == "eagle3" else (4,))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_a_head_colocated_with_its_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method):
+    engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
+                          max_sequences=4, max_len=256)
+    spec = ClusterSpec(engine=engine, num_draft_actors=3, colocate_drafter=True)
+    assert spec.draft_actor_count == 0 and spec.total_gpus() == 1
+    outputs, drafters, layers = run_cluster(spec, "c" + method)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.stats.accepted for o in outputs) > 0
+    assert [type(d) for d in drafters] == [ColocatedWorker] and layers == ()  # the shard keeps its rows
+
+
+def test_colocation_needs_a_one_rank_target():
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        ClusterSpec(engine=EngineConfig(method="eagle3"), tensor_parallel_size=2, colocate_drafter=True)

@@ -1,0 +1,154 @@
+"""Small random EAGLE and Medusa heads for the tiny target of tests/conftest.py (vocabulary 64,
+hidden size 32, 4 layers), and public-layout checkpoints written from them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from speculators.heads.eagle import EagleHead
+from speculators.heads.medusa import MedusaHeads
+
+VOCAB, HIDDEN, LAYERS = 64, 32, 4
+AUX = (1, 2, 3)
+
+
+def layer_config(vocab: int = VOCAB) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+
+
+def random_eagle3(seed: int = 1, draft_vocab: int = 48, own_embedding: bool = False, norm_before_residual=False,
+                  scale: float = 0.3, vocab: int = VOCAB) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(layer_config(vocab), 3, HIDDEN, draft_vocab, AUX, norm_before_residual, own_embedding=own_embedding)
+    for parameter in head.parameters():
+        parameter.data.normal_(0, scale)
+    head.set_vocabulary(torch.randperm(vocab)[:draft_vocab])
+    return head.double()
+
+
+def random_eagle1(seed: int = 2, scale: float = 0.3, vocab: int = VOCAB) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(layer_config(vocab), 1, aux_layers=(LAYERS,), fc_bias=True, own_embedding=True)
+    for parameter in head.parameters():
+        parameter.data.normal_(0, scale)
+    return head.double()
+
+
+def random_medusa(seed: int = 3, num_heads: int = 4, draft_vocab: int | None = 48, shared=True,
+                  vocab: int = VOCAB) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HIDDEN, vocab, num_heads, 1, draft_vocab, shared_lm_head=shared)
+    for parameter in heads.parameters():
+        parameter.data.normal_(0, 0.3)
+    if draft_vocab:
+        heads.token_map.copy_(torch.randperm(vocab)[:draft_vocab])
+    return heads.double()
+
+
+def write(folder: Path, config: dict, tensors: dict[str, torch.Tensor], file: str = "model.safetensors") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if file.endswith(".safetensors"):
+        save_file(tensors, folder / file)
+    else:
+        torch.save(tensors, folder / file)
+    return folder
+
+
+def eagle3_original_layout(head: EagleHead, folder: Path) -> Path:
+    """The EAGLE repository's EAGLE-3 layout: a Llama config with draft_vocab_size, `midlayer.` names."""
+    config = {**layer_config().to_dict(), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": head.draft_vocab_size}
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in head.state_dict().items()}
+    return write(folder, config, tensors)
+
+
+def eagle1_layout(head: EagleHead, folder: Path) -> Path:
+    """EAGLE-1/2: a one-layer Llama config, fc over 2H with a bias, pickled weights."""
+    config = {**layer_config().to_dict(), "architectures": ["LlamaForCausalLM"], "bias": True}
+    return write(folder, config, head.state_dict(), "pytorch_model.bin")
+
+
+def medusa_public_layout(heads: MedusaHeads, folder: Path) -> Path:
+    """The Medusa repository's layout: per-head residual block and full-vocabulary LM head."""
+    if heads.shared_lm_head or heads.draft_vocab_size != heads.vocab_size:
+        raise ValueError("the public layout has one full-vocabulary LM head per head")
+    tensors = {}
+    for k in range(heads.num_heads):
+        tensors[f"medusa_head.{k}.0.linear.weight"] = heads.blocks[k].layers[0].weight
+        tensors[f"medusa_head.{k}.0.linear.bias"] = heads.blocks[k].layers[0].bias
+        tensors[f"medusa_head.{k}.1.weight"] = heads.lm_heads[k].weight
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": 1, "base_model_name_or_path": "tiny"}
+    return write(folder, config, tensors, "medusa_lm_head.safetensors")
+
+
+def tiny_training_data(model, prompts: int = 128, new_tokens: int = 32, seed: int = 0):
+    """The tiny target's own greedy answers to random prompts, with the hidden states heads read,
+    recorded from the decoding passes as `specserve train` records them."""
+    import random
+
+    from cluster.engine.build import local_engine
+    from cluster.engine.config import SchedulerConfig
+    from cluster.engine.request import GenerationRequest
+    from speculators.proposers.prompt_lookup import PromptLookupProposer
+    from speculators.train.dataset import Example
+    from speculators.train.recorder import HiddenRecorder
+    from tests.conftest import IdTokenizer
+
+    rng = random.Random(seed)
+    recorder = HiddenRecorder(PromptLookupProposer(), (*AUX, LAYERS), dtype=model.dtype)
+    engine = local_engine(model, IdTokenizer(), recorder, SchedulerConfig(max_sequences=8, max_len=128, min_acceptance=0))
+    requests = [GenerationRequest(f"p{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))],
+                                  max_new_tokens=new_tokens) for i in range(prompts)]
+    examples = []
+    for index, (request, output) in enumerate(zip(requests, engine.generate(requests))):
+        rows = recorder.collect(request.request_id)
+        tokens = torch.tensor(request.prompt_ids + output.token_ids)[: rows.shape[0] + 1]
+        examples.append(Example(index, tokens, rows, len(request.prompt_ids), index % 8 == 0))
+    return examples
+
+
+def trained_tiny_heads(model, folder: Path):
+    """An EAGLE-3 head and Medusa heads trained for a few seconds on the tiny target's answers:
+    they predict it well enough that drafts get accepted. Returns (eagle3 head, medusa heads,
+    held-out figures of each)."""
+    from speculators.train.dataset import Example
+    from speculators.train.eagle3 import Eagle3Objective, new_head
+    from speculators.train.loop import TrainConfig, train
+    from speculators.train.medusa import MedusaObjective, new_heads
+    from speculators.train.vocab import frequent_tokens
+    from tests.conftest import tiny_hf_config
+
+    torch.manual_seed(0)
+    examples = tiny_training_data(model)
+    train_set = [e for e in examples if not e.held_out]
+    held_out = [e for e in examples if e.held_out]
+    vocabulary = frequent_tokens([e.tokens for e in train_set], 48, VOCAB)
+    lm_rows = model.head_weight()[vocabulary].float()
+    config = TrainConfig(epochs=40, batch_rows=1024, lr=3e-3, warmup_steps=10, eval_every=10_000,
+                         checkpoint_every=10_000, autocast=False)
+
+    def columns(layers):
+        width = [*AUX, LAYERS]
+        keep = torch.cat([torch.arange(HIDDEN) + width.index(layer) * HIDDEN for layer in layers])
+        return [Example(e.index, e.tokens, e.hidden[:, keep].float(), e.prompt_length, e.held_out) for e in examples]
+
+    eagle_examples = columns(AUX)
+    head = new_head(tiny_hf_config(), vocabulary, AUX, lm_rows)
+    head.share_target(model.model.embed_tokens.weight.float())
+    eagle_objective = Eagle3Objective(head, 3)
+    eagle_figures = eagle_objective.summary(train(head, eagle_objective, [e for e in eagle_examples if not e.held_out],
+                                                  [e for e in eagle_examples if e.held_out], config, folder / "eagle3",
+                                                  log=lambda _: None))
+    medusa_examples = columns((LAYERS,))
+    heads = new_heads(HIDDEN, VOCAB, 4, vocabulary, lm_rows)
+    medusa_objective = MedusaObjective(heads)
+    medusa_figures = medusa_objective.summary(train(heads, medusa_objective, [e for e in medusa_examples if not e.held_out],
+                                                    [e for e in medusa_examples if e.held_out], config, folder / "medusa",
+                                                    log=lambda _: None))
+    return head, heads, eagle_figures, medusa_figures

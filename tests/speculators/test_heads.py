@@ -1,0 +1,147 @@
+"""Head checkpoints in each public layout, round trips of our own, and the head's arithmetic:
+drafting (cached, one row a node) computes exactly what training-time test computes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculators.heads.checkpoint import default_aux_layers, load_head, save_eagle3, save_head, save_medusa
+from speculators.hidden import TargetHidden
+from speculators.proposers.base import DraftRequest
+from speculators.proposers.eagle import EagleProposer
+from speculators.train.dataset import Example
+from speculators.train.eagle3 import Eagle3Objective
+from speculators.train.packing import pack
+from tests.speculators.heads_fixtures import (
+    AUX, HIDDEN, LAYERS, VOCAB, eagle1_layout, eagle3_original_layout, medusa_public_layout, random_eagle1,
+    random_eagle3, random_medusa)
+
+
+def eagle_outputs(head, seed=0, rows=9):
+    """Draft logits of a chain of committed rows: a fingerprint of every weight of the head."""
+    generator = torch.Generator().manual_seed(seed)
+    width = len(head.aux_layers) * HIDDEN if head.version == 3 else HIDDEN
+    features = head.fuse(torch.randn(rows, width, generator=generator, dtype=torch.float64))
+    tokens = torch.randint(VOCAB, (rows,), generator=generator)
+    q, k, v, residual = head.project(features, tokens, torch.arange(rows))
+    from speculators.heads.eagle import attend
+
+    out = head.finish(attend(q, k, v, torch.ones(rows, rows, dtype=torch.bool).tril()), residual)
+    return head.logits(out)
+
+
+def share_random_target(head, seed=7):
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
+    head.share_target(embedding, embedding if head.needs_target_lm_head else None)
+    return embedding
+
+
+def test_eagle3_round_trip_in_the_speculators_format(tmp_path):
+    head = random_eagle3()
+    embedding = share_random_target(head)
+    save_eagle3(head, tmp_path, "tiny-target", ["LlamaForCausalLM"], speculative_tokens=4, dtype=torch.float64)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
+    assert config["norm_before_residual"] is False  # always written
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    loaded = load_head(tmp_path)
+    assert loaded.kind == "eagle3" and loaded.speculative_tokens == 4 and loaded.verifier == "tiny-target"
+    loaded.module.double().share_target(embedding)
+    assert torch.equal(loaded.module.d2t, head.d2t) and torch.equal(loaded.module.t2d, head.t2d)
+    assert torch.allclose(eagle_outputs(loaded.module), eagle_outputs(head))
+
+
+def test_a_speculators_config_without_norm_before_residual_reads_as_vllm_does(tmp_path):
+    head = random_eagle3(norm_before_residual=True)
+    share_random_target(head)
+    save_eagle3(head, tmp_path, "t", ["LlamaForCausalLM"], dtype=torch.float64)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_head(tmp_path).module.norm_before_residual is True
+
+
+def test_eagle3_in_the_eagle_repository_layout(tmp_path):
+    head = random_eagle3(own_embedding=True)
+    loaded = load_head(eagle3_original_layout(head, tmp_path), num_target_layers=LAYERS)
+    assert loaded.kind == "eagle3"
+    assert loaded.module.aux_layers == default_aux_layers(LAYERS) and loaded.module.norm_before_residual is False
+    assert loaded.module.embed_tokens is not None
+    assert torch.allclose(eagle_outputs(loaded.module.double()), eagle_outputs(head))
+    with pytest.raises(ValueError, match="layer count"):
+        load_head(tmp_path)
+
+
+def test_eagle1_layout_uses_the_target_lm_head(tmp_path):
+    head = random_eagle1()
+    lm_head = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+    head.share_target(head.embed_tokens.weight, lm_head)
+    folder = eagle1_layout(random_eagle1(), tmp_path)  # written before the LM head is attached
+    loaded = load_head(folder, num_target_layers=LAYERS)
+    assert loaded.kind == "eagle" and loaded.module.aux_layers == (LAYERS,)
+    assert loaded.module.fc.bias is not None
+    with pytest.raises(ValueError, match="LM head"):
+        loaded.module.share_target(torch.zeros(1))
+    loaded.module.double().share_target(lm_head, lm_head)
+    assert torch.allclose(eagle_outputs(loaded.module), eagle_outputs(head))
+
+
+def test_medusa_public_layout_loads_and_converts_to_the_vllm_format(tmp_path):
+    heads = random_medusa(draft_vocab=None, shared=False, num_heads=3)
+    loaded = load_head(medusa_public_layout(heads, tmp_path / "public"))
+    assert loaded.kind == "medusa" and loaded.module.num_heads == 3 and not loaded.module.shared_lm_head
+    hidden = torch.randn(5, HIDDEN, dtype=torch.float64)
+    assert torch.allclose(loaded.module.double()(hidden), heads(hidden))
+    save_head(loaded, tmp_path / "converted", dtype=torch.float64)
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["medusa_fc_bias"] is True
+    again = load_head(tmp_path / "converted")
+    assert torch.allclose(again.module.double()(hidden), heads(hidden))
+
+
+def test_medusa_round_trip_with_a_shared_truncated_lm_head(tmp_path):
+    heads = random_medusa()
+    save_medusa(heads, tmp_path, "tiny", [[0], [0, 0], [1]], dtype=torch.float64)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["original_lm_head"] is True and config["truncated_vocab_size"] == 48
+    loaded = load_head(tmp_path)
+    assert loaded.medusa_choices == [[0], [0, 0], [1]]
+    assert torch.equal(loaded.module.token_map, heads.token_map)
+    hidden = torch.randn(4, HIDDEN, dtype=torch.float64)
+    assert torch.allclose(loaded.module.double()(hidden), heads(hidden))
+
+
+def test_an_unknown_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    torch.save({"something.weight": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="not an EAGLE"):
+        load_head(tmp_path)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_drafting_computes_what_training_time_test_computes(norm_before_residual):
+    """A greedy chain drafted through the proposer's cache (committed rows, then one scratch row per
+    depth) gives its tokens the probabilities TTT gives them when the chain is the sequence."""
+    head = random_eagle3(norm_before_residual=norm_before_residual, own_embedding=True)
+    committed, depth = 12, 4
+    tokens = torch.randint(VOCAB, (committed,)).tolist()
+    hidden = torch.randn(committed - 1, 3 * HIDDEN, dtype=torch.float64)
+    request = DraftRequest("r", tokens, depth, 16, hidden=TargetHidden(0, hidden))
+    tree = EagleProposer(head, width=1).propose([request])[0]
+    drafted = tree.token_ids[1:]
+    assert len(drafted) == depth
+    rows = torch.cat([hidden, torch.randn(depth, 3 * HIDDEN, dtype=torch.float64)])
+    example = Example(0, torch.tensor(tokens + drafted), rows, 0, False)
+    objective = Eagle3Objective(head, depth)
+    last = committed - 2  # the root's row
+    with torch.no_grad():
+        for step, (rows_run, out) in enumerate(objective.forward(pack([example], torch.float64))):
+            row = (rows_run == last).nonzero()[0, 0]
+            probs = head.logits(out[row]).softmax(-1)
+            assert float(probs[objective.to_draft[drafted[step]]]) == pytest.approx(tree.confidence[step + 1], rel=1e-6)
