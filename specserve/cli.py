@@ -53,6 +53,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_head(args: argparse.Namespace) -> int:
+    """Read a head in any layout speculators/heads/checkpoint.py knows, write it as vLLM serves it."""
+    import torch
+
+    from speculators.heads.checkpoint import load_head, save_head
+
+    checkpoint = load_head(args.source, args.target_layers)
+    save_head(checkpoint, args.dest, dtype=getattr(torch, args.dtype))
+    print(f"{args.source}: {checkpoint.kind} head -> {args.dest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bench import cluster_bench, cost_curve, specbench
     from specserve import train
@@ -87,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     cost_curve.add_arguments(curve)
     add_engine_arguments(curve)
     curve.set_defaults(func=cost_curve.run)
+
+    convert = sub.add_parser("convert-head", formatter_class=defaults,
+                             help="rewrite a head checkpoint (Medusa's public layout, EAGLE-3 in the EAGLE "
+                                  "repository's layout) in the format vLLM and this project serve")
+    convert.add_argument("source", help="checkpoint folder")
+    convert.add_argument("dest", help="folder to write")
+    convert.add_argument("--target-layers", type=int, default=None,
+                         help="the target's layer count, for an EAGLE-3 checkpoint that names no aux layers")
+    convert.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    convert.set_defaults(func=cmd_convert_head)
 
     trainer = sub.add_parser("train", help="train an EAGLE-3 or Medusa head on the target's own answers",
                              formatter_class=defaults)

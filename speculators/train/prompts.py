@@ -16,6 +16,7 @@ import inspect
 import random
 import re
 import textwrap
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -177,6 +178,12 @@ CODE_ABOUT = (
 
 def _documents() -> list[str]:
     """Docstrings of the standard library worth summarizing: 300 to 2,500 characters of prose."""
+    with warnings.catch_warnings():  # reading the docs of deprecated aliases (typing.io) warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _docstrings()
+
+
+def _docstrings() -> list[str]:
     docs = []
     for name in STDLIB_MODULES:
         try:

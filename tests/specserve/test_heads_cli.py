@@ -1,0 +1,60 @@
+"""Heads from the command line: finding trained heads by name, converting public checkpoints, and
+`specserve train` end to end on the default target (a few answers, a few steps)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from actors.model.heads import TRAINED_HEADS, resolve_head, trained_heads
+from speculators.heads.checkpoint import load_head
+from specserve.cli import main
+from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, random_medusa
+
+
+def test_trained_heads_are_found_by_name_and_by_the_method_alone(tmp_path):
+    names = trained_heads()
+    assert "eagle3:smollm2-135m" in names and "medusa:smollm2-135m" in names
+    assert resolve_head("eagle3", "eagle3:smollm2-135m", "smollm2-135m") == TRAINED_HEADS / "eagle3-smollm2-135m"
+    assert resolve_head("medusa", "layer-skip:6", "smollm2-135m") == TRAINED_HEADS / "medusa-smollm2-135m"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_head("eagle3", str(tmp_path), "smollm2-135m") == tmp_path
+    with pytest.raises(FileNotFoundError, match="eagle3:smollm2-135m"):
+        resolve_head("eagle3", "layer-skip:6", "some-other-model")
+    with pytest.raises(FileNotFoundError, match="neither"):
+        resolve_head("eagle3", str(tmp_path / "missing"), "smollm2-135m")
+
+
+def test_convert_head_rewrites_the_public_medusa_layout(tmp_path, capsys):
+    heads = random_medusa(draft_vocab=None, shared=False, num_heads=2)
+    medusa_public_layout(heads, tmp_path / "public")
+    assert main(["convert-head", str(tmp_path / "public"), str(tmp_path / "vllm"), "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    hidden = torch.randn(3, HIDDEN, dtype=torch.float64)
+    assert torch.allclose(load_head(tmp_path / "vllm").module.double()(hidden), heads(hidden), atol=1e-6)
+
+
+@pytest.mark.default_model
+def test_train_writes_a_servable_head_and_its_card(tmp_path, capsys):
+    out = tmp_path / "head"
+    assert main(["train", "medusa", "--workdir", str(tmp_path / "work"), "--out", str(out), "--prompts", "8",
+                 "--max-new-tokens", "6", "--epochs", "1", "--batch-rows", "512", "--medusa-heads", "2",
+                 "--draft-vocab", "256", "--tree-size", "4"]) == 0
+    card = json.loads((out / "card.json").read_text())
+    assert card["kind"] == "medusa" and card["steps"] >= 1 and len(card["medusa_choices"]) == 4
+    assert "held-out" in (out / "README.md").read_text()
+    again = main(["train", "medusa", "--workdir", str(tmp_path / "work"), "--out", str(out), "--no-generate",
+                  "--epochs", "1", "--medusa-heads", "2", "--draft-vocab", "256", "--tree-size", "4"])
+    assert again == 0 and "resuming" in capsys.readouterr().out  # the run folder's checkpoint is picked up
+    from cluster.engine.build import build_engine
+    from cluster.engine.config import EngineConfig
+
+    engine, tokenizer = build_engine(EngineConfig(method="medusa", draft=str(out), max_sequences=1, max_len=256))
+    from cluster.engine.request import GenerationRequest
+
+    plain, _ = build_engine(EngineConfig(method="none", max_sequences=1, max_len=256))
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
+    outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine)])[0] for e in (engine, plain)]
+    assert outputs[0].token_ids == outputs[1].token_ids and outputs[0].stats.drafted > 0
