@@ -23,8 +23,8 @@ from speculators.proposers.eagle import EagleProposer
 from speculators.proposers.medusa import MedusaProposer
 
 TRAINED_HEADS = Path(__file__).resolve().parents[2] / "speculators" / "heads" / "trained"
-HEAD_KINDS = {"eagle3": ("eagle3", "eagle"), "eagle": ("eagle", "eagle3"), "medusa": ("medusa",)}
-"""method -> checkpoint kinds it serves (EAGLE-1/2 and EAGLE-3 checkpoints draft the same way)."""
+HEAD_KINDS = {"eagle3": ("eagle3", "eagle"), "medusa": ("medusa",)}
+"""method -> checkpoint kinds it serves (EAGLE-1/2 checkpoints draft the way EAGLE-3 heads do)."""
 
 
 def trained_heads() -> list[str]:

@@ -13,8 +13,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
 
-Method = Literal["none", "pld", "suffix", "draft", "eagle3", "eagle", "medusa"]
-HEAD_METHODS = ("eagle3", "eagle", "medusa")
+Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
+HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
 
@@ -47,11 +47,11 @@ class EngineConfig(SchedulerConfig):
     method: Method = Field(
         "pld", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
         "the request's own text and earlier outputs), draft (a draft model), or a trained head reading the "
-        "target's hidden states: eagle3 (EAGLE-3; EAGLE-1/2 checkpoints too, also as 'eagle') or medusa")
+        "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint) or medusa")
     draft: str = Field(
         "layer-skip:6",
         description="method=draft: a model name/path with the target's tokenizer, or 'layer-skip:N' for a "
-        "self-draft made of the target's first N layers; eagle3/eagle/medusa: a head checkpoint folder or a "
+        "self-draft made of the target's first N layers; eagle3/medusa: a head checkpoint folder or a "
         "trained head's name such as 'eagle3:smollm2-135m' (the layer-skip default means the method's trained "
         "head for the target)",
     )
