@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, specbench
+    from bench import cluster_bench, cost_curve, ray_overhead, specbench
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     cost_curve.add_arguments(curve)
     add_engine_arguments(curve)
     curve.set_defaults(func=cost_curve.run)
+    overhead = bench_sub.add_parser("ray-overhead", help="router -> worker round trips: actor calls and compiled graphs",
+                                    formatter_class=defaults)
+    ray_overhead.add_arguments(overhead)
+    overhead.set_defaults(func=ray_overhead.run)
 
     cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
                              formatter_class=defaults)

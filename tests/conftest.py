@@ -42,6 +42,15 @@ class IdTokenizer:
         return " ".join(f"t{i}" for i in ids)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_curves_in_a_temporary_folder(tmp_path_factory):
+    """Curves measured by tests (tiny models in temporary folders) stay out of the user's cache.
+    Set in the environment, so that Ray workers started by the tests inherit it."""
+    import os
+
+    os.environ["SPECSERVE_COST_CURVES"] = str(tmp_path_factory.mktemp("cost-curves"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_pair()

@@ -2,13 +2,15 @@
 
 A pass is timed as the engine runs it: every sequence has `context` committed tokens and verifies a
 chain of new tokens; the pass packs all sequences. Random token ids: the cost does not depend on
-them. Medians of `repeats` runs, after one untimed warm-up run per shape.
+them. Each shape is run `repeats` times after one untimed warm-up run, and summarised by
+`aggregate`: the median for a report, the minimum for a curve measured at start (other work on the
+machine only ever adds time).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,9 +25,10 @@ def _split(tokens: int, sequences: int) -> list[int]:
 
 
 def time_passes(
-    runner: ModelRunner, shapes: Sequence[tuple[int, int]], context: int = 256, repeats: int = 5, seed: int = 0
+    runner: ModelRunner, shapes: Sequence[tuple[int, int]], context: int = 256, repeats: int = 5,
+    aggregate: Callable[[list[float]], float] = statistics.median, seed: int = 0,
 ) -> list[float]:
-    """Median seconds of a pass of `tokens` new tokens over `sequences` sequences, per (tokens, sequences).
+    """Seconds of a pass of `tokens` new tokens over `sequences` sequences, per (tokens, sequences).
 
     Uses scratch sequences of its own, so it needs as many free cache slots as the widest shape and
     leaves the runner as it found it.
@@ -57,7 +60,7 @@ def time_passes(
                     samples.append(time.perf_counter() - began)
                 for item in inputs:
                     runner.truncate(item.seq_id, context)
-            results.append(statistics.median(samples))
+            results.append(aggregate(samples))
         return results
     finally:
         for seq_id in ids:
