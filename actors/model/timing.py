@@ -2,9 +2,9 @@
 
 A pass is timed as the engine runs it: every sequence has `context` committed tokens and verifies a
 chain of new tokens; the pass packs all sequences. Random token ids: the cost does not depend on
-them. Each shape is run `repeats` times after one untimed warm-up run, and summarised by
-`aggregate`: the median for a report, the minimum for a curve measured at start (other work on the
-machine only ever adds time).
+them. Every shape runs once untimed, then `repeats` rounds run each shape in turn (a burst of
+other work hits all shapes alike), and each shape is summarised by `aggregate`: the median for a
+report, the minimum for a curve measured at start (other work on the machine only adds time).
 """
 from __future__ import annotations
 
@@ -49,19 +49,18 @@ def time_passes(
         runner.forward([TreeInput(s, tokens_of(context), chain_parents(context), logits="none") for s in ids])
         for seq_id in ids:
             runner.commit(seq_id, range(context))
-        results = []
-        for tokens, sequences in shapes:
-            inputs = [TreeInput(ids[i], tokens_of(n), chain_parents(n)) for i, n in enumerate(_split(tokens, sequences))]
-            samples = []
-            for attempt in range(repeats + 1):
+        inputs = [[TreeInput(ids[i], tokens_of(n), chain_parents(n)) for i, n in enumerate(_split(tokens, sequences))]
+                  for tokens, sequences in shapes]
+        samples: list[list[float]] = [[] for _ in shapes]
+        for attempt in range(repeats + 1):
+            for shape_inputs, shape_samples in zip(inputs, samples):
                 began = time.perf_counter()
-                runner.forward(inputs)
+                runner.forward(shape_inputs)
                 if attempt:
-                    samples.append(time.perf_counter() - began)
-                for item in inputs:
+                    shape_samples.append(time.perf_counter() - began)
+                for item in shape_inputs:
                     runner.truncate(item.seq_id, context)
-            results.append(aggregate(samples))
-        return results
+        return [aggregate(shape_samples) for shape_samples in samples]
     finally:
         for seq_id in ids:
             runner.remove(seq_id)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 TOKEN_POINTS = (1, 2, 4, 8, 16, 32, 64)
 SEQUENCE_POINTS = (2, 4, 8, 16)
 CONTEXT = 256
-REPEATS = 5
+REPEATS = 7
 
 
 @dataclass(frozen=True)
