@@ -236,9 +236,9 @@ def summarize(records: list[dict], baselines: dict[str, str]) -> dict:
 
 # --- report ------------------------------------------------------------------------------------
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(args: argparse.Namespace, benchmark: str = "specbench") -> str:
     """The full command that reproduces this run, every option spelled out (defaults may change)."""
-    parts = ["specserve", "bench", "specbench"]
+    parts = ["specserve", "bench", benchmark]
     for key, value in vars(args).items():
         if key in _NOT_OPTIONS or value is None or value is False:
             continue
@@ -292,10 +292,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, render: Callable[[dict], str] = markdown) -> None:
     """Write JSON and markdown through temporary files, so an interrupt never leaves half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), markdown(report))):
+    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), render(report))):
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)
