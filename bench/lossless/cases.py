@@ -25,7 +25,7 @@ SAMPLES = 20_000
 T1 = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams()
 FIXED = LookaheadConfig(policy="fixed", num_speculative_tokens=3)
-HEURISTIC = LookaheadConfig(policy="heuristic", initial_tokens=1)
+HEURISTIC = LookaheadConfig(policy="heuristic", initial_tokens=2)
 CONFIDENCE = LookaheadConfig(policy="confidence")
 
 

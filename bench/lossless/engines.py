@@ -6,6 +6,7 @@ every run and a faulty verifier is tried on the very seeds the real one passed.
 """
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,9 @@ class CaseRun:
     counts: list[np.ndarray]
     """Per request group, shape (V,) * L: how often each sequence came out."""
     drafted: int
-    accepted: int
+    accepted_by_depth: list[int]
+    """Steps in which the drafted token at depth d + 1 was accepted, over all requests."""
+    tokens: int
     target_forwards: int
 
 
@@ -74,7 +77,8 @@ def run_case(case: Case, models: TinyModels, samples: int) -> CaseRun:
             raise RuntimeError(f"{request.request_id} ended early ({output.finish_reason}: {output.error})")
         counts[group][tuple(output.token_ids)] += 1
     stats = [output.stats for output in outputs]
-    return CaseRun(counts, sum(s.drafted for s in stats), sum(s.accepted for s in stats),
+    by_depth = [sum(column) for column in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)]
+    return CaseRun(counts, sum(s.drafted for s in stats), by_depth, sum(len(o.token_ids) for o in outputs),
                    sum(s.target_forwards for s in stats))
 
 

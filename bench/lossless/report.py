@@ -3,7 +3,8 @@
 The report's `cases` say whether the engine's sampled sequences follow the target's exact
 distribution and what shift each case could have missed; `negative_controls` say whether verifiers
 with a deliberate mistake were caught; `power_checks` judge each core case's own sample against the
-target with 1% of first-token mass moved, which must be rejected.
+target with 1% of first-token mass moved, as if the engine were off by that much: a core case is
+sized to reject it with probability at least POWER.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from bench.lossless.engines import run_case
 from bench.lossless.stats import ALPHA, POWER, GroupSample, Verdict, judge, shifted_first_token
 from bench.lossless.target import TinyModels
 from bench.specbench import RESULTS_DIR, comma_list, command_line, log, machine, write_report
+from cluster.engine.stats import mean_accepted_tokens
 
 POWER_CHECK_SHIFT = 0.01
 
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=comma_list(CASES_BY_NAME), default=None,
                         help="cases to run, comma separated (default: all); controls run on the selected cases they concern")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every case's number of samples")
-    parser.add_argument("--control-samples", type=int, default=20_000,
+    parser.add_argument("--control-samples", type=int, default=10_000,
                         help="samples of each case a negative control is tried on (times --scale)")
     parser.add_argument("--fake-gpus", type=int, default=4, help="GPUs Ray pretends to have, for the Ray cases")
 
@@ -41,8 +43,9 @@ def sample_case(case: Case, models: TinyModels, samples: int) -> tuple[list[Grou
     run = run_case(case, models, samples)
     groups = [GroupSample(counts, models.distribution(group.prompt, group.sampling, group.new_tokens))
               for counts, group in zip(run.counts, case.groups)]
-    speculation = {"seconds": round(time.perf_counter() - began, 1), "drafted": run.drafted, "accepted": run.accepted,
-                   "mean_accepted_tokens": round((run.accepted + run.target_forwards) / run.target_forwards, 3)}
+    speculation = {"seconds": round(time.perf_counter() - began, 1), "drafted": run.drafted,
+                   "accepted": sum(run.accepted_by_depth), "accepted_by_depth": run.accepted_by_depth,
+                   "mean_accepted_tokens": round(mean_accepted_tokens(run.tokens, run.target_forwards), 3)}
     return groups, speculation
 
 

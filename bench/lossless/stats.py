@@ -41,12 +41,14 @@ class GroupSample:
         return int(self.counts.sum())
 
     def conditional_family(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(depth, prefix) of every conditional tested on its own: fixed by the expected counts,
-        before looking at the sample."""
+        """(depth, prefix) of every conditional tested on its own: those with two or more possible
+        tokens, expected often enough. Fixed by the expected counts, before looking at the sample."""
         family = []
         for depth in range(self.exact.new_tokens):
             expected = self.samples * self.exact.prefix_probabilities(depth)
-            family += [(depth, tuple(int(i) for i in prefix)) for prefix in np.argwhere(expected >= MIN_CONDITIONAL_SAMPLES)]
+            uncertain = (self.exact.conditionals[depth] > 0).sum(-1) >= 2
+            tested = np.argwhere((expected >= MIN_CONDITIONAL_SAMPLES) & uncertain)
+            family += [(depth, tuple(int(i) for i in prefix)) for prefix in tested]
         return family
 
     def next_token_counts(self, depth: int, prefix: tuple[int, ...]) -> np.ndarray:

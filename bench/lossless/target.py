@@ -84,14 +84,14 @@ class SequenceDistribution:
 
     @cached_property
     def joint(self) -> np.ndarray:
-        joint = np.ones(())
-        for conditional in self.conditionals:
-            joint = joint[..., None] * conditional
-        return joint
+        return self.prefix_probabilities(self.new_tokens)
 
     def prefix_probabilities(self, depth: int) -> np.ndarray:
-        """P(x_1..x_depth), shape (V,) * depth."""
-        return self.joint.sum(axis=tuple(range(depth, self.new_tokens)))
+        """P(x_1..x_depth), shape (V,) * depth, by the chain rule (so the empty prefix has exactly 1)."""
+        probabilities = np.ones(())
+        for conditional in self.conditionals[:depth]:
+            probabilities = probabilities[..., None] * conditional
+        return probabilities
 
 
 def sequence_distribution(

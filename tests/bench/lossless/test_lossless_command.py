@@ -8,7 +8,8 @@ from specserve.cli import main
 
 def test_the_command_writes_cases_and_controls(tmp_path):
     out = tmp_path / "lossless.json"
-    code = main(["bench", "lossless", "--out", str(out), "--cases", "pld-chain", "--scale", "0.05"])
+    code = main(["bench", "lossless", "--out", str(out), "--cases", "pld-chain", "--scale", "0.05",
+                 "--control-samples", "20000"])
     report = json.loads(out.read_text())
     assert code == 0
     (case,) = report["cases"]

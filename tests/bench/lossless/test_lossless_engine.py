@@ -35,7 +35,7 @@ def test_a_verifier_with_a_deliberate_mistake_is_caught(tiny_models, control):
 
 @pytest.mark.slow
 def test_the_full_set(tiny_models, ray_four_gpus):
-    report = measure(CASES, tiny_models, scale=1.0, control_samples=20_000)
+    report = measure(CASES, tiny_models, scale=1.0, control_samples=10_000)
     failed = [c for c in report["cases"] if not c["passed"]]
     assert not failed, failed
     assert all(control["caught"] for control in report["negative_controls"]), report["negative_controls"]
