@@ -296,10 +296,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, render: Callable[[dict], str] = markdown) -> None:
     """Write JSON and markdown through temporary files, so an interrupt never leaves half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), markdown(report))):
+    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), render(report))):
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)

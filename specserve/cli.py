@@ -55,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import cluster_bench, cost_curve, ray_overhead, specbench
+    from bench.lossless import report as lossless
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=defaults)
     ray_overhead.add_arguments(overhead)
     overhead.set_defaults(func=ray_overhead.run)
+    proof = bench_sub.add_parser("lossless", help="sampled output against the exact distribution of a tiny target, "
+                                 "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
+    lossless.add_arguments(proof)
+    proof.set_defaults(func=lossless.run)
 
     cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
                              formatter_class=defaults)

@@ -70,6 +70,24 @@ def _acceptance(p_token: float, q_token: float) -> float:
     return min(1.0, p_token / q_token)
 
 
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """The target's distribution once `token` was rejected: norm(max(p - q, 0)), where q is the
+    draft's distribution or, when None, a point mass on `token`."""
+    if q is None:
+        left = p.clone()
+        left[token] = 0
+    else:
+        left = (p - q).clamp_min(0)
+    return _normalized(left, p)
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    """The draft's distribution for the siblings still to try: drawn without replacement, none is `token`."""
+    left = q.clone()
+    left[token] = 0
+    return _normalized(left, q)
+
+
 def verify_sampled(
     tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> VerifyResult:
@@ -86,15 +104,9 @@ def verify_sampled(
             if torch.rand((), generator=generator, dtype=torch.float64).item() < chance:
                 accepted = kid
                 break
-            if q is None:
-                residual = p.clone()
-                residual[token] = 0
-            else:
-                residual = (p - q).clamp_min(0)
-                without = q.clone()
-                without[token] = 0
-                q = _normalized(without, q)
-            p = _normalized(residual, p)
+            p = _residual(p, q, token)
+            if q is not None:
+                q = _without(q, token)
         if accepted is None:
             next_token = int(torch.multinomial(p.float(), 1, generator=generator))
             return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], next_token)
