@@ -66,6 +66,9 @@ class Case:
     deployment: Deployment = IN_PROCESS
     core: bool = False
     """Sized so that a 1% shift in the first-token conditional is detected."""
+    planned: bool = False
+    """In process, with the planner on over PLANNER_COST (on Ray it is always on, over the
+    measured curve): trees are cut to what pays, or not drafted at all."""
 
 
 DRAFTERS = {
@@ -73,6 +76,7 @@ DRAFTERS = {
     "pld-tree": {"method": "pld", "prompt_lookup_max_branches": 3},
     "draft": {"method": "draft", "draft": "<draft model>"},
     "layer-skip": {"method": "draft", "draft": "layer-skip:1"},
+    "suffix": {"method": "suffix", "suffix_decoding_max_spec_factor": 2.0},
 }
 """EngineConfig fields of each drafter; '<draft model>' stands for the separate tiny draft's path."""
 
@@ -97,6 +101,11 @@ CASES = [
     Case("draft-tree", "draft", CORE_SAMPLES, engine=TREE, core=True),
     Case("layer-skip-chain", "layer-skip", CORE_SAMPLES, core=True),
     Case("layer-skip-tree", "layer-skip", CORE_SAMPLES, engine=TREE, core=True),
+    Case("suffix-tree", "suffix"),
+    # the planner cutting trees (deterministic trees) and sizing drafts (a costly drafter)
+    Case("pld-tree-planned", "pld-tree", planned=True, lookahead=CONFIDENCE),
+    Case("suffix-tree-planned", "suffix", planned=True, lookahead=CONFIDENCE),
+    Case("draft-tree-planned", "draft", planned=True, lookahead=CONFIDENCE, engine=TREE),
     # lookahead policies
     Case("pld-tree-heuristic", "pld-tree", lookahead=HEURISTIC),
     Case("draft-tree-heuristic", "draft", lookahead=HEURISTIC, engine=TREE),

@@ -20,6 +20,7 @@ from bench.lossless.cases import DRAFTERS, Case, RequestGroup
 from bench.lossless.target import VOCAB, TinyModels
 from cluster.engine.build import build_proposer, local_engine
 from cluster.engine.config import EngineConfig
+from cluster.engine.cost import CostCurve, CostPoint
 from cluster.engine.request import GenerationOutput, GenerationRequest
 
 BATCH = 512
@@ -29,6 +30,10 @@ CHUNK = 2 * BATCH
 enough that the engine's duplicate-id check over its queue stays cheap."""
 MAX_TREE_NODES = 16
 RAY_TIMEOUT_S = 3600
+PLANNER_COST = CostCurve([CostPoint(t, 1, 1.0 + 0.1 * t ** 0.5 * (t > 1)) for t in (1, 2, 4, 8, 16, 32, 64)]
+                         + [CostPoint(4 * s, s, 1.0 + 0.4 * s) for s in (2, 4, 8)])
+"""Each token of a pass costs less than the one before (as on real hardware): the planner keeps the
+likelier nodes, cuts the rest, and sometimes drafts nothing."""
 Generate = Callable[[list[GenerationRequest]], list[GenerationOutput]]
 
 
@@ -87,7 +92,8 @@ def in_process(case: Case, models: TinyModels) -> Iterator[Generate]:
     """An engine in this process over the float64 target; its worker threads stop on exit."""
     config = engine_config(case, models)
     target = load_model(models.target_dir, torch.float64)
-    engine = local_engine(target, load_tokenizer(models.target_dir), build_proposer(config, target), config)
+    engine = local_engine(target, load_tokenizer(models.target_dir), build_proposer(config, target), config,
+                          cost=PLANNER_COST if case.planned else False)
     try:
         yield engine.generate
     finally:
