@@ -32,7 +32,8 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The thread runs and its engine has a target (a failed rebuild makes health checks fail)."""
+        return self._thread.is_alive() and self.engine.healthy
 
     @property
     def load(self) -> int:
@@ -76,7 +77,7 @@ class EngineLoop:
     def _add(self, request: GenerationRequest, callback: EventCallback) -> None:
         try:
             self.engine.add(request)
-        except ValueError as error:
+        except Exception as error:
             self._count(-1)
             callback(StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
             return
@@ -92,20 +93,36 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_work)
-            if not self.engine.has_work:
-                continue
-            try:
-                events = self.engine.step()
-            except Exception:  # a bug must not silently kill the loop and hang every client
-                log.exception("engine step failed")
-                events = self.engine.fail_all("internal engine error")
-            for event in events:
-                callback = self._callbacks.get(event.request_id)
-                if event.finished and self._callbacks.pop(event.request_id, None):
-                    self._count(-1)
-                if callback:
+            try:  # nothing may end this thread but stop(): a dead loop hangs every client
+                self._turn()
+            except Exception:
+                log.exception("engine loop failed outside a step")
+                self._deliver(self.engine.fail_all("internal engine error"))
+
+    def _turn(self) -> None:
+        self._drain_inbox(block=not self.engine.has_work)
+        if not self.engine.has_work:
+            return
+        try:
+            events = self.engine.step()
+        except Exception:  # a bug must not silently kill the loop and hang every client
+            log.exception("engine step failed")
+            events = self.engine.fail_all("internal engine error")
+        self._deliver(events)
+
+    def _deliver(self, events: list[StepEvent]) -> None:
+        for event in events:
+            callback = self._callbacks.get(event.request_id)
+            if event.finished and self._callbacks.pop(event.request_id, None):
+                self._count(-1)
+            if callback:
+                try:
                     callback(event)
+                except Exception:  # its listener is gone: stop decoding for nobody
+                    log.exception("delivering an event of request %s failed; aborting it", event.request_id)
+                    if self._callbacks.pop(event.request_id, None):
+                        self._count(-1)
+                        self.engine.abort(event.request_id)
 
 
 def least_loaded(loops: Sequence[EngineLoop]) -> EngineLoop:

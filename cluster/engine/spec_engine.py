@@ -23,13 +23,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from actors.target_worker import RequestFailed
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.drafting import draft_requests
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
+from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
 from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
+from cluster.engine.tree_check import tree_problem
 from speculators.lookahead import make_policy
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
@@ -37,6 +40,7 @@ from speculators.verify import VerifyResult
 log = logging.getLogger(__name__)
 
 TARGET_FAILED = "the target worker group failed while decoding this request; retry it"
+TARGET_UNAVAILABLE = "the target worker group is down and could not be rebuilt yet; retry later"
 
 
 @dataclass
@@ -46,6 +50,7 @@ class _PendingDraft:
     submitted: float
     """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
     by its requests as their draft time."""
+    drafter: Worker | None = None
 
 
 @dataclass
@@ -82,6 +87,10 @@ class SpecEngine:
         self._pending_drafts: dict[int, _PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._next_group = 0
+        self._stalled = StalledWorkers()
+        self.unavailable: str | None = None
+        """Why the target is down (its rebuild failed); None while it serves."""
+        self._next_rebuild = 0.0
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -128,16 +137,20 @@ class SpecEngine:
     def _num_groups(self) -> int:
         return 2 if self.config.pipeline else 1
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[StepEvent]:
         admitted = []
         while self.waiting and len(self.active) + len(admitted) < self.config.max_sequences:
             admitted.append(self.waiting.popleft())
         if not admitted:
-            return
+            return []
         now = time.perf_counter()
         # no wait: the worker runs calls in order, so the prefill lands before the next verify
-        start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
-        self._pending_starts.append((start, [r.request_id for r in admitted]))
+        try:
+            start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+        except Exception as error:  # a dead target: the requests become active below, then fail with it
+            start, refused = None, error
+        else:
+            self._pending_starts.append((start, [r.request_id for r in admitted]))
         for request in admitted:
             sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
             gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
@@ -146,6 +159,7 @@ class SpecEngine:
                                   list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             self.active[request.request_id] = state
+        return [] if start is not None else self._target_failed(refused)
 
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
@@ -153,16 +167,25 @@ class SpecEngine:
         requests = draft_requests(states, self.config)
         if not requests:
             return None
-        drafter = self.drafters[group % len(self.drafters)]
-        return _PendingDraft(drafter.submit("propose", requests), [r.request_id for r in requests], time.perf_counter())
+        count = len(self.drafters)
+        drafter = next((d for d in (self.drafters[(group + k) % count] for k in range(count))
+                        if not self._stalled.is_stalled(d)), None)
+        if drafter is None:  # every drafter is stuck in an earlier call: decode plainly
+            return None
+        return _PendingDraft(drafter.submit("propose", requests), [r.request_id for r in requests],
+                             time.perf_counter(), drafter)
 
     def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
             return {}
         began = time.perf_counter()
         try:
-            trees = pending.future.result()
-        except Exception as error:  # a dead or restarting draft actor: decode plainly this step
+            trees = result_within(pending.future, self.config.draft_timeout_s, "the drafter")
+            if len(trees) != len(pending.request_ids):
+                raise ValueError(f"{len(trees)} trees for {len(pending.request_ids)} requests")
+        except Exception as error:  # a dead, hung or restarting draft actor: decode plainly this step
+            if isinstance(error, WorkerTimeout):
+                self._stalled.add(pending.drafter, pending.future)
             self.counters.draft_failures += 1
             log.warning("drafter failed (%s); %d requests decode without speculation this step",
                         error, len(pending.request_ids))
@@ -174,14 +197,28 @@ class SpecEngine:
         for request_id in pending.request_ids:
             if request_id in self.active:
                 self.active[request_id].stats.draft_seconds += share
-        return dict(zip(pending.request_ids, trees))
+        return {request_id: tree for request_id, tree in zip(pending.request_ids, trees) if self._usable(request_id, tree)}
+
+    def _usable(self, request_id: str, tree: object) -> bool:
+        """Whether a drafted tree may be verified; a bad one costs only its request's proposals."""
+        state = self.active.get(request_id)
+        if state is None:
+            return False
+        problem = tree_problem(tree, state.tokens, self.vocab_size, self.config.max_tree_nodes, self.config.max_len)
+        if problem:
+            self.counters.bad_trees += 1
+            log.warning("drafter returned a bad tree for %s (%s); it decodes without speculation this step",
+                        request_id, problem)
+        return problem is None
 
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
         events = []
-        for future, request_ids in self._pending_starts:
+        for future, request_ids in list(self._pending_starts):
             try:
-                future.result()
+                result_within(future, self.config.target_timeout_s, "the target's prefill")
+            except WorkerTimeout as error:  # a hung target holds every request: treat it as failed
+                return events + self._target_failed(error)
             except Exception as error:
                 log.error("prefill failed: %s", error)
                 for request_id in request_ids:
@@ -193,8 +230,9 @@ class SpecEngine:
 
     def step(self) -> list[StepEvent]:
         """Verify one micro-batch (all active requests when pipelining is off)."""
-        self._admit()
-        failed = self._check_starts()
+        if self.unavailable is not None and not self._rebuilt():
+            return self._refuse_waiting()
+        failed = self._admit() + self._check_starts()
         if failed or not self.active:
             return failed
         group = self._next_group
@@ -215,7 +253,7 @@ class SpecEngine:
                 if drafted:
                     self._pending_drafts[other] = drafted
         try:
-            results = verify.result()
+            results = result_within(verify, self.config.target_timeout_s, "the target's verification")
         except Exception as error:
             return self._target_failed(error)
         seconds = time.perf_counter() - began
@@ -223,10 +261,15 @@ class SpecEngine:
         self.counters.verify_seconds += seconds
         return [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
 
-    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult, verify_seconds: float) -> StepEvent:
+    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed,
+               verify_seconds: float) -> StepEvent:
         state.stats.verify_seconds += verify_seconds
+        if isinstance(result, RequestFailed):  # this request alone; its neighbours keep their output
+            state.fail(result.reason)
+            return self._finished_event(state)
+        self.counters.request_passes += 1
         accepted = len(result.accepted_tokens)
-        state.stats.record(tree.max_depth, tree.num_drafted, accepted)
+        state.stats.record(tree.depths[1:], accepted)
         state.policy.observe(tree.max_depth, accepted)
         state.gate.observe(tree.max_depth, accepted)
         new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len)
@@ -242,8 +285,35 @@ class SpecEngine:
         # a group about to be rebuilt is not told anything; one that stays must free the slots
         events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
         if self.rebuild_target is not None:
-            self.target = self.rebuild_target()
+            self.unavailable = f"{type(error).__name__}: {error}"
+            self._rebuilt()
         return events
+
+    def _rebuilt(self) -> bool:
+        """Try to rebuild a failed target (at most once per rebuild_retry_s); whether it now serves."""
+        if time.monotonic() < self._next_rebuild:
+            return False
+        try:
+            self.target = self.rebuild_target()
+        except Exception as error:
+            log.error("rebuilding the target failed: %s; retrying in %g s", error, self.config.rebuild_retry_s)
+            self.unavailable = f"rebuild failed: {type(error).__name__}: {error}"
+            self._next_rebuild = time.monotonic() + self.config.rebuild_retry_s
+            return False
+        self.unavailable = None
+        return True
+
+    def _refuse_waiting(self) -> list[StepEvent]:
+        """While the target is down, waiting requests end at once with a retryable error."""
+        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, f"{TARGET_UNAVAILABLE} ({self.unavailable})"))
+                   for r in self.waiting]
+        self.waiting.clear()
+        return refused
+
+    @property
+    def healthy(self) -> bool:
+        """False while the target is down (a replica's health check then fails and Serve restarts it)."""
+        return self.unavailable is None
 
     def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
         """End every active request with a retryable error (waiting requests stay queued)."""
@@ -266,9 +336,9 @@ class SpecEngine:
         """Free the request's caches everywhere and build its output."""
         self.active.pop(state.request_id)
         if notify_target:
-            self.target.submit("finish", state.request_id)
+            _tell(self.target, "finish", state.request_id)
         for drafter in self.drafters:
-            drafter.submit("release", [state.request_id])
+            _tell(drafter, "release", [state.request_id])
         return state.final_output()
 
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:
@@ -283,3 +353,12 @@ class SpecEngine:
                 if event.finished:
                     done[event.request_id] = event.finished
         return [done[request_id] for request_id in order]
+
+
+def _tell(worker: Worker, method: str, *args) -> None:
+    """A call whose answer nobody waits for; a dead worker must not stop the request from ending."""
+    try:
+        worker.submit(method, *args)
+    except Exception as error:
+        log.warning("could not send %s to a worker: %s", method, error)
+
