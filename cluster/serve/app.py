@@ -16,7 +16,7 @@ import logging
 import grpc
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.runtime.placement import ClusterSpec
@@ -42,6 +42,17 @@ class AppArgs(BaseModel):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="what each replica runs and where")
     limits: ServiceLimits = Field(default_factory=ServiceLimits, description="request limits and the API key")
     model_id: str | None = Field(None, description="name clients use for the model (default: the engine's model)")
+
+    @model_validator(mode="after")
+    def _requests_fit_the_context_window(self) -> AppArgs:
+        """Checked when the app starts: otherwise the longest allowed prompt asking for the most
+        tokens would be cut short by the context window, not by the limit the client was told."""
+        limits, max_len = self.limits, self.cluster.engine.max_len
+        if limits.max_prompt_tokens + limits.max_new_tokens > max_len:
+            raise ValueError(
+                f"limits.max_prompt_tokens ({limits.max_prompt_tokens}) + limits.max_new_tokens "
+                f"({limits.max_new_tokens}) must be <= cluster.engine.max_len ({max_len})")
+        return self
 
 
 def current_service() -> SpecService:
@@ -131,7 +142,7 @@ class SpecServer:
                     raise WorkerFailed(finished.error or "generation failed; retry")
                 chunk = pb.GenerateChunk(token_ids=event.new_token_ids, text=event.text)
                 if finished:
-                    chunk.finish_reason = finished.finish_reason
+                    chunk.finish_reason, chunk.finish_detail = finished.finish_reason, finished.finish_detail or ""
                     chunk.stats.CopyFrom(stats_message(finished.stats, len(finished.token_ids)))
                 yield chunk
         except Exception as error:

@@ -61,6 +61,7 @@ def response_message(output: GenerationOutput, prompt_tokens: int) -> pb.Generat
     return pb.GenerateResponse(
         text=output.text, token_ids=output.token_ids, finish_reason=output.finish_reason,
         stats=stats_message(output.stats, len(output.token_ids)), prompt_tokens=prompt_tokens,
+        finish_detail=output.finish_detail or "",
     )
 
 

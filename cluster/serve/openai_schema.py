@@ -193,17 +193,20 @@ class ResponseShape:
             choice = {"index": 0, "message": {"role": "assistant", "content": output.text}}
         else:
             choice = {"index": 0, "text": output.text}
-        choice |= {"finish_reason": output.finish_reason, "logprobs": None}
+        choice |= {"finish_reason": output.finish_reason, "finish_detail": output.finish_detail, "logprobs": None}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return body | {"usage": _usage(output, prompt_tokens), "speculation": speculation_stats(output)}
 
-    def chunk(self, text: str = "", finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str = "", finish_reason: str | None = None, role: bool = False,
+              finish_detail: str | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
         choice |= {"finish_reason": finish_reason, "logprobs": None}
+        if finish_detail:
+            choice["finish_detail"] = finish_detail
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, output: GenerationOutput, prompt_tokens: int) -> dict:

@@ -7,6 +7,7 @@ checks every field and names the bad one (InvalidRequest -> HTTP 400 / INVALID_A
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import time
@@ -254,7 +255,7 @@ class SpecService:
         last = time.perf_counter()
         try:
             async with contextlib.aclosing(loop_stream(loop, request)) as events:  # abort at once when closed
-                async for event in events:
+                async for event in self._within_deadline(events, request):
                     if self.observer:
                         now = time.perf_counter()
                         self.observer.chunk(len(event.new_token_ids), now - last)
@@ -264,6 +265,25 @@ class SpecService:
                     yield event
         finally:
             self.in_flight -= 1
+
+    async def _within_deadline(self, events: AsyncIterator[StepEvent],
+                               request: GenerationRequest) -> AsyncIterator[StepEvent]:
+        """The events until the request's deadline; then a retryable error ends it (closing `events`
+        aborts it in the engine), so no client waits without bound."""
+        limit = self.limits.request_timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, asyncio.TimeoutError):
+                reason = f"the request ran past the server's {limit:g} s limit; retry it (perhaps with fewer tokens)"
+                yield StepEvent(request.request_id, [], GenerationOutput.refused(request, reason))
+                return
+            except StopAsyncIteration:
+                return
+            yield event
+            if event.finished:
+                return
 
     async def generate(self, request: GenerationRequest, protocol: str = "http") -> GenerationOutput:
         async for event in self.stream(request, protocol):

@@ -26,7 +26,7 @@ ARGS = {
         "engine": {"model": "smollm2-135m", "method": "pld", "max_sequences": 4, "max_len": 1024},
         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0,
     },
-    "limits": {"max_new_tokens": 64, "max_concurrent_requests": 8},
+    "limits": {"max_prompt_tokens": 960, "max_new_tokens": 64, "max_concurrent_requests": 8},
 }
 
 
