@@ -3,7 +3,6 @@ under load, every greedy answer stays right, and a replica that dies mid-stream 
 requests cleanly while new ones succeed."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
+from tests.cluster.ray_fixtures import free_port
 from tests.conftest import IdTokenizer
 
 pytestmark = pytest.mark.default_model  # the tiny model directory borrows the default model's tokenizer
@@ -32,12 +32,6 @@ AUTOSCALING = {
     "policy": {"policy_function": "cluster.serve.autoscaling:SpeculationAwarePolicy",
                "policy_kwargs": {"target_ongoing_requests": TARGET_ONGOING}},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
