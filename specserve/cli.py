@@ -52,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, specbench
+    from bench import cluster_bench, fuzz, soak, specbench
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_bench.add_arguments(cluster)
     add_engine_arguments(cluster)
     cluster.set_defaults(func=cluster_bench.run)
+
+    load = sub.add_parser("soak", help="streaming clients (gRPC and HTTP) against the served app, with faults",
+                          formatter_class=defaults)
+    soak.add_arguments(load)
+    load.set_defaults(func=soak.run)
+
+    fuzzing = sub.add_parser("fuzz", help="property-based fuzz of both request schemas", formatter_class=defaults)
+    fuzz.add_arguments(fuzzing)
+    fuzzing.set_defaults(func=fuzz.run)
     return parser
 
 
