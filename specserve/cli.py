@@ -53,6 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import cluster_bench, fuzz, soak, specbench
+    from cluster.serve import grpc_tls
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     fuzzing = sub.add_parser("fuzz", help="property-based fuzz of both request schemas", formatter_class=defaults)
     fuzz.add_arguments(fuzzing)
     fuzzing.set_defaults(func=fuzz.run)
+
+    tls = sub.add_parser("grpc-tls", help="serve the gRPC API over TLS, forwarding to Serve's plaintext gRPC proxy",
+                         formatter_class=defaults)
+    grpc_tls.add_arguments(tls)
+    tls.set_defaults(func=grpc_tls.run)
     return parser
 
 

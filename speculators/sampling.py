@@ -58,6 +58,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keep the token crossing top_p
+        drop_sorted[..., 0] = False  # and always the likeliest (a top_p below float32's range rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)

@@ -79,7 +79,7 @@ class EngineLoop:
             self.engine.add(request)
         except Exception as error:
             self._count(-1)
-            callback(StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
+            _notify(callback, StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
             return
         self._callbacks[request.request_id] = callback
 
@@ -89,7 +89,7 @@ class EngineLoop:
         if callback:
             self._count(-1)
             if output:
-                callback(StepEvent(request_id, [], output))
+                _notify(callback, StepEvent(request_id, [], output))
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -115,14 +115,19 @@ class EngineLoop:
             callback = self._callbacks.get(event.request_id)
             if event.finished and self._callbacks.pop(event.request_id, None):
                 self._count(-1)
-            if callback:
-                try:
-                    callback(event)
-                except Exception:  # its listener is gone: stop decoding for nobody
-                    log.exception("delivering an event of request %s failed; aborting it", event.request_id)
-                    if self._callbacks.pop(event.request_id, None):
-                        self._count(-1)
-                        self.engine.abort(event.request_id)
+            if callback and not _notify(callback, event) and self._callbacks.pop(event.request_id, None):
+                self._count(-1)  # its listener is gone: stop decoding for nobody
+                self.engine.abort(event.request_id)
+
+
+def _notify(callback: EventCallback, event: StepEvent) -> bool:
+    """Hand an event to its listener; whether that worked (a listener's error stays its own)."""
+    try:
+        callback(event)
+    except Exception:
+        log.exception("delivering an event of request %s failed", event.request_id)
+        return False
+    return True
 
 
 def least_loaded(loops: Sequence[EngineLoop]) -> EngineLoop:

@@ -7,8 +7,9 @@ into two micro-batches bound to their own drafter: while the target verifies one
 drafted, so a step costs about max(draft, verify) instead of their sum.
 
 Workers are reached through `submit(method, *args) -> Future` (actors/worker.py), so the same
-code drives in-process workers and Ray actors. A drafter that fails costs its micro-batch one plain
-step; a target that fails ends the requests it held with a retryable error and is rebuilt.
+code drives in-process workers and Ray actors. A drafter that fails, hangs or returns a bad tree
+costs one plain step; a request whose verification raises fails alone; a target that fails or hangs
+ends the requests it held with a retryable error and is rebuilt.
 
 Other jobs live beside this module: what a request drafts (drafting.py), how one request's output
 grows and ends (sequence.py, text.py) and what is counted (stats.py).

@@ -21,7 +21,9 @@ from ray import serve
 
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
-from cluster.serve.grpc_api import WorkerFailed, metadata_value, options_from, response_message, stats_message, status_of
+from cluster.serve.grpc_api import (
+    WorkerFailed, checked, metadata_value, options_from, response_message, stats_message, status_of,
+)
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.openai_api import build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
@@ -29,7 +31,7 @@ from protos import specserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 GRPC_SERVICERS = [
-    "protos.specserve_pb2_grpc.add_SpecServeServicer_to_server",
+    "cluster.serve.grpc_api.add_SpecServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
@@ -110,7 +112,7 @@ class SpecServer:
 
     def _request(self, message: pb.GenerateRequest, grpc_context):
         self.service.authorize(metadata_value(grpc_context, "authorization"))
-        return self.service.build_request(options_from(message))
+        return self.service.build_request(options_from(checked(message)))
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:

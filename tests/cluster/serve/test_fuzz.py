@@ -55,3 +55,10 @@ def test_hostile_grpc_fields_are_refused_naming_the_field(target, sampling, fiel
     with pytest.raises(InvalidRequest) as refused:
         target.service.build_request(options_from(pb.GenerateRequest(text="hi", sampling=sampling)))
     assert refused.value.field == field
+
+
+def test_a_vanishing_top_p_keeps_the_likeliest_token(target):
+    """Found by `specserve fuzz`: top_p 1e-300 rounded to 0 in float32 and dropped every token."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_p": 1e-300, "seed": 1}'
+    output = target.engine.generate([parse_call(body, target.service, True, "tiny-top-p").request])[0]
+    assert output.finish_reason in ("stop", "length") and output.token_ids

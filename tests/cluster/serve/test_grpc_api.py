@@ -52,3 +52,17 @@ def test_authorization_metadata_is_read():
 
     assert metadata_value(Context(), "authorization") == "Bearer k"
     assert metadata_value(None, "authorization") is None
+
+
+def test_bytes_that_do_not_parse_become_invalid_argument_naming_the_request():
+    from cluster.serve.grpc_api import UndecodableRequest, _parse_or_explain, checked
+
+    good = pb.GenerateRequest(text="AB").SerializeToString()
+    parse = _parse_or_explain(pb.GenerateRequest)
+    assert checked(parse(good)).text == "AB"
+    for bad in (good.replace(b"AB", b"\xff\xfe"), b"\xff\xff\xff"):
+        message = parse(bad)
+        assert isinstance(message, UndecodableRequest)
+        with pytest.raises(InvalidRequest) as refused:
+            checked(message)
+        assert refused.value.field == "request" and status_of(refused.value) == grpc.StatusCode.INVALID_ARGUMENT

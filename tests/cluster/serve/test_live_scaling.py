@@ -1,8 +1,11 @@
 """The Serve app on CPU with a tiny model: the speculation-aware policy scales it from 1 to 2 replicas
-under load, every greedy answer stays right, and a replica that dies mid-stream fails its in-flight
-requests cleanly while new ones succeed."""
+under load, every greedy answer stays right, a replica that dies mid-stream fails its in-flight
+requests cleanly while new ones succeed, and request bytes that do not parse are INVALID_ARGUMENT."""
 from __future__ import annotations
 
+import http.client
+import json
+import ssl
 import threading
 import time
 
@@ -42,12 +45,15 @@ def expected(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_model_dir):
+def ports(tiny_model_dir, self_signed_cert):
+    """(gRPC port, HTTPS port) of the app; its HTTP proxy takes TLS from Serve's http_options."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_AUTH_MODE", "disabled")
-        grpc_port = free_port()
+        grpc_port, https_port = free_port(), free_port()
+        certfile, keyfile = self_signed_cert
         ray.init(address="local", num_cpus=2, include_dashboard=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+        serve.start(http_options={"host": "127.0.0.1", "port": https_port, "ssl_certfile": str(certfile),
+                                  "ssl_keyfile": str(keyfile)},
                     grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
         args = AppArgs.model_validate({
             "cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", "max_sequences": 2, "max_len": 128},
@@ -57,13 +63,23 @@ def stub(tiny_model_dir):
         deployment = SpecServer.options(autoscaling_config=AUTOSCALING, max_ongoing_requests=16,
                                         ray_actor_options={"num_cpus": 0.1})
         serve.run(deployment.bind(args), name=APP, route_prefix="/")
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         try:
-            yield specserve_pb2_grpc.SpecServeStub(channel)
+            yield grpc_port, https_port
         finally:
-            channel.close()
             serve.shutdown()
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def channel(ports):
+    channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
+    yield channel
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return specserve_pb2_grpc.SpecServeStub(channel)
 
 
 def running_replicas() -> int:
@@ -143,3 +159,21 @@ def test_a_replica_that_dies_fails_its_streams_cleanly_and_new_requests_succeed(
         except grpc.RpcError:
             time.sleep(1)
     assert [t for c in chunks for t in c.token_ids] == expected[0]
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_argument(channel):
+    raw = channel.unary_unary("/specserve.SpecServe/Generate")
+    good = request(0).SerializeToString()
+    with pytest.raises(grpc.RpcError) as refused:
+        raw(pb.GenerateRequest(text="AB").SerializeToString().replace(b"AB", b"\xff\xfe"), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request" in refused.value.details()
+    assert pb.GenerateResponse.FromString(raw(good, timeout=60)).token_ids  # the server is fine
+
+
+def test_http_is_served_over_tls_from_serves_own_options(ports, self_signed_cert):
+    context = ssl.create_default_context(cafile=str(self_signed_cert[0]))
+    connection = http.client.HTTPSConnection("localhost", ports[1], context=context, timeout=60)
+    connection.request("GET", "/v1/models")
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["data"][0]["object"] == "model"
+    connection.close()
