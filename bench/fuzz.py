@@ -125,7 +125,7 @@ def http_bodies(chat: bool):
 
 
 def grpc_messages():
-    """GenerateRequest messages as the server receives them (serialized and parsed again)."""
+    """GenerateRequest messages as bytes on the wire, and some bytes that are no such message."""
     st = _strategies()
     uint32, floats = st.integers(0, 2**32 - 1), st.floats(width=32)
     sampling = st.fixed_dictionaries({}, optional={
@@ -150,7 +150,7 @@ def grpc_messages():
     )
     messages = st.builds(lambda prompt, sampling, speculation: pb.GenerateRequest(
         **(prompt or {}), sampling=sampling, speculation=speculation), prompts, sampling, speculation)
-    return messages.map(lambda message: pb.GenerateRequest.FromString(message.SerializeToString()))
+    return messages.map(lambda message: message.SerializeToString()) | st.binary(max_size=60)
 
 
 def _float32(value: float) -> float:
@@ -191,9 +191,11 @@ def check_http_body(target: FuzzTarget, body: bytes, chat: bool, request_id: str
     check_request(target, call.request)
 
 
-def check_grpc_message(target: FuzzTarget, message: pb.GenerateRequest, request_id: str = "fuzz") -> None:
+def check_grpc_message(target: FuzzTarget, data: bytes, request_id: str = "fuzz") -> None:
+    """The server's path: parse the bytes (grpc_api's deserializer), then the message's fields."""
+    message = grpc_api.parse_or_explain(pb.GenerateRequest)(data)
     try:
-        request = target.service.build_request(grpc_api.options_from(message), request_id)
+        request = target.service.build_request(grpc_api.options_from(grpc_api.checked(message)), request_id)
     except InvalidRequest as error:
         check_refusal(error)
         return

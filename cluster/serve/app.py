@@ -25,11 +25,12 @@ from cluster.serve.grpc_api import (
     WorkerFailed, checked, metadata_value, options_from, response_message, stats_message, status_of,
 )
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
-from cluster.serve.openai_api import build_openai_router
+from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
 log = logging.getLogger(__name__)
+RETRYABLE_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 GRPC_SERVICERS = [
     "cluster.serve.grpc_api.add_SpecServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -122,6 +123,8 @@ class SpecServer:
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(str(error))
+            if code in RETRYABLE_CODES:  # the hint HTTP gives in Retry-After
+                grpc_context.set_trailing_metadata([("retry-after", RETRY_AFTER_S)])
 
     async def Generate(self, message: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:

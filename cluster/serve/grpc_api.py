@@ -19,7 +19,7 @@ class UndecodableRequest:
     reason: str
 
 
-def _parse_or_explain(message_class):
+def parse_or_explain(message_class):
     def parse(data: bytes):
         try:
             return message_class.FromString(data)
@@ -38,7 +38,7 @@ def add_SpecServeServicer_to_server(servicer, server) -> None:  # noqa: N802 (th
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_parse_or_explain(getattr(pb, method.input_type.name)),
+            request_deserializer=parse_or_explain(getattr(pb, method.input_type.name)),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
