@@ -147,9 +147,8 @@ def test_a_replica_that_dies_fails_its_streams_cleanly_and_new_requests_succeed(
         time.sleep(3)
     finally:
         clients.join()
-    retryable = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED,
-                 grpc.StatusCode.ABORTED}
-    assert set(clients.errors) <= retryable, clients.errors
+    # Serve's gRPC proxy (Ray 2.60) reports a stream whose replica died as INTERNAL, not UNAVAILABLE
+    assert set(clients.errors) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}, clients.errors
     assert all(ids == expected[index] for index, ids, _ in clients.answers)  # nothing cut short or garbled
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
