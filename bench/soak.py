@@ -283,6 +283,12 @@ def summarize(outcomes: list[Outcome], prompts: list[Prompt], seconds: float) ->
     }
 
 
+def _without_key(app_args: dict) -> dict:
+    """The app's args as a report may show them: a literal API key is replaced."""
+    limits = app_args.get("limits", {})
+    return app_args | {"limits": limits | {"api_key": "<redacted>"}} if limits.get("api_key") else app_args
+
+
 def run(args: argparse.Namespace) -> int:
     app_args = yaml.safe_load(args.config.read_text())["applications"][0]["args"]
     app_args.setdefault("limits", {})["max_concurrent_requests"] = max(
@@ -305,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "config": {"clients": args.clients, "duration_s": args.duration, "max_new_tokens": args.max_new_tokens,
-                   "prompts": args.prompts, "seed": args.seed, "app_args": app_args},
+                   "prompts": args.prompts, "seed": args.seed, "app_args": _without_key(app_args)},
         "kills": kills,
         "summary": summarize(outcomes, prompts, seconds),
     }

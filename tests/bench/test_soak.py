@@ -30,3 +30,11 @@ def test_answers_are_judged_against_plain_greedy_decoding():
 def test_an_error_a_client_cannot_retry_is_flagged():
     summary = summarize([outcome("grpc", error="grpc:INTERNAL")], [PROMPT], seconds=1.0)
     assert not summary["errors_all_retryable"]
+
+
+def test_a_literal_api_key_never_reaches_the_report():
+    from bench.soak import _without_key
+
+    args = {"cluster": {}, "limits": {"api_key": "k3y", "max_new_tokens": 8}}
+    assert "k3y" not in str(_without_key(args)) and _without_key(args)["limits"]["max_new_tokens"] == 8
+    assert _without_key({"limits": {"api_key": None}}) == {"limits": {"api_key": None}}
