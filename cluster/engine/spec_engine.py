@@ -218,9 +218,9 @@ class SpecEngine:
         for future, request_ids in list(self._pending_starts):
             try:
                 result_within(future, self.config.target_timeout_s, "the target's prefill")
-            except WorkerTimeout as error:  # a hung target holds every request: treat it as failed
-                return events + self._target_failed(error)
             except Exception as error:
+                if not isinstance(error, ValueError):  # dead or hung, not a refusal: every request goes with it
+                    return events + self._target_failed(error)
                 log.error("prefill failed: %s", error)
                 for request_id in request_ids:
                     state = self.active[request_id]

@@ -230,3 +230,44 @@ def test_drafted_by_position_counts_tokens_and_passes_count_per_request(tiny_mod
     engine = local_engine(tiny_model[0], IdTokenizer(), None, CONFIG)
     engine.generate(requests())
     assert engine.counters.tokens == engine.counters.request_passes == len(PROMPTS) * NEW_TOKENS
+
+
+class DeadTarget:
+    """What a killed shard looks like to the engine: every call fails."""
+
+    def submit(self, method, *args):
+        future: Future = Future()
+        future.set_exception(RuntimeError("The actor died unexpectedly before finishing this task."))
+        return future
+
+
+def test_a_target_that_dies_during_a_prefill_is_rebuilt_without_burning_the_queue(tiny_model, plain):
+    model, rebuilds = tiny_model[0], []
+
+    def rebuild():
+        rebuilds.append(1)
+        return LocalWorker(TargetWorker(model, 2, 256))
+
+    engine = SpecEngine(DeadTarget(), IdTokenizer(), [], CONFIG.model_copy(update={"max_sequences": 2}),
+                        vocab_size=64, rebuild_target=rebuild)
+    outputs = engine.generate(requests())
+    assert [o.finish_reason for o in outputs] == ["error", "error", "length", "length"]
+    assert all(TARGET_FAILED in o.error for o in outputs[:2]) and rebuilds == [1]
+    assert [o.token_ids for o in outputs[2:]] == plain[2:]
+
+
+def test_a_prefill_the_worker_refuses_fails_only_its_requests(tiny_model, plain):
+    worker = TargetWorker(tiny_model[0], 4, 256)
+    real_start = worker.start
+
+    def start(batch):
+        if any(request_id == "r1" for request_id, _, _ in batch):
+            raise ValueError("request 'r1' refused")
+        return real_start(batch)
+
+    worker.start = start
+    engine = SpecEngine(LocalWorker(worker), IdTokenizer(), [], CONFIG.model_copy(update={"max_sequences": 1}),
+                        vocab_size=64, rebuild_target=lambda: pytest.fail("a refusal is no target failure"))
+    outputs = engine.generate(requests())
+    assert outputs[1].finish_reason == "error" and "prefill failed" in outputs[1].error
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 1] == [p for i, p in enumerate(plain) if i != 1]
