@@ -18,7 +18,7 @@ import torch
 from actors.model.distributed import TorchDistributedComm, init_process_group
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.sharding import Communicator, ShardPlan
-from actors.target_worker import TargetWorker
+from actors.target_worker import RequestFailed, TargetWorker
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
@@ -55,7 +55,7 @@ class TargetShard:
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
         self.worker.start(requests)
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
+    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
         return self.worker.verify(batch)
 
     def finish(self, seq_id: str) -> None:

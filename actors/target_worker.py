@@ -8,6 +8,7 @@ the small VerifyResults leave the worker. On Ray it runs inside a TargetShard (t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,14 @@ from speculators.tree import DraftTree, chain_parents
 from speculators.verify import VerifyResult, verify
 
 VERIFY_SALT = 0
+
+
+@dataclass
+class RequestFailed:
+    """In place of a VerifyResult: this request's verification raised. It ends with this error; the
+    other requests of the batch keep their results."""
+
+    reason: str
 
 
 class TargetWorker:
@@ -47,15 +56,26 @@ class TargetWorker:
         for item in inputs:
             self.runner.commit(item.seq_id, range(len(item.token_ids)))
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
+    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
         inputs = [TreeInput(seq_id, tree.token_ids, tree.parents) for seq_id, tree in batch]
         all_logits = self.runner.forward(inputs)
         results = self._decide(batch, all_logits)
         for (seq_id, _), result in zip(batch, results):
-            self.runner.commit(seq_id, result.accepted_nodes)
+            if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
+                self.runner.truncate(seq_id, self.runner.committed_length(seq_id))
+            else:
+                self.runner.commit(seq_id, result.accepted_nodes)
         return results
 
-    def _decide(self, batch: Sequence[tuple[str, DraftTree]], all_logits: list[torch.Tensor]) -> list[VerifyResult]:
+    def _verify_one(self, seq_id: str, tree: DraftTree, logits: torch.Tensor) -> VerifyResult | RequestFailed:
+        """One request's decision; what it raises fails that request alone, not its neighbours."""
+        try:
+            return verify(tree, logits, *self._sampling[seq_id])
+        except Exception as error:
+            return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
+
+    def _decide(self, batch: Sequence[tuple[str, DraftTree]],
+                all_logits: list[torch.Tensor]) -> list[VerifyResult | RequestFailed]:
         """Run the verifier on rank 0 only and give its results to every rank.
 
         Tensor-parallel ranks hold the same logits, but sampling draws random numbers (and an argmax
@@ -67,9 +87,7 @@ class TargetWorker:
         outcome: list[VerifyResult] | str | None = None
         if comm.rank == 0:
             try:
-                outcome = [
-                    verify(tree, logits, *self._sampling[seq_id]) for (seq_id, tree), logits in zip(batch, all_logits)
-                ]
+                outcome = [self._verify_one(seq_id, tree, logits) for (seq_id, tree), logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")
                 raise

@@ -54,8 +54,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, ray_overhead, specbench
+    from bench import cluster_bench, cost_curve, fuzz, ray_overhead, soak, specbench
     from bench.lossless import report as lossless
+    from cluster.serve import grpc_tls
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_bench.add_arguments(cluster)
     add_engine_arguments(cluster)
     cluster.set_defaults(func=cluster_bench.run)
+
+    load = sub.add_parser("soak", help="streaming clients (gRPC and HTTP) against the served app, with faults",
+                          formatter_class=defaults)
+    soak.add_arguments(load)
+    load.set_defaults(func=soak.run)
+
+    fuzzing = sub.add_parser("fuzz", help="property-based fuzz of both request schemas", formatter_class=defaults)
+    fuzz.add_arguments(fuzzing)
+    fuzzing.set_defaults(func=fuzz.run)
+
+    tls = sub.add_parser("grpc-tls", help="serve the gRPC API over TLS, forwarding to Serve's plaintext gRPC proxy",
+                         formatter_class=defaults)
+    grpc_tls.add_arguments(tls)
+    tls.set_defaults(func=grpc_tls.run)
     return parser
 
 

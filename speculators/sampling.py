@@ -5,9 +5,14 @@ distribution p with the distribution q the drafter actually sampled from.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+MIN_TEMPERATURE = 1e-5
+"""Below this, logits / temperature overflows to infinity and the warped distribution is NaN."""
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
@@ -50,6 +58,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keep the token crossing top_p
+        drop_sorted[..., 0] = False  # and always the likeliest (a top_p below float32's range rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)

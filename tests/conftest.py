@@ -76,3 +76,18 @@ def tiny_model_dir(tmp_path_factory, default_model_path):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def self_signed_cert(tmp_path_factory):
+    """(certfile, keyfile) of a certificate for localhost / 127.0.0.1, made with the openssl tool."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    path = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(path / "key.pem"), "-out", str(path / "cert.pem"), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return path / "cert.pem", path / "key.pem"

@@ -36,6 +36,15 @@ class SchedulerConfig(BaseModel):
         0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
     gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
     gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
+    draft_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for a drafter's proposals; past it the step decodes plainly and the "
+        "drafter gets no more work until it answers")
+    target_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for a prefill or verification pass; past it the target group "
+        "counts as failed (its requests end with a retryable error) and is rebuilt")
+    rebuild_retry_s: float = Field(
+        30.0, gt=0, description="after a failed rebuild of the target, how long new requests are refused "
+        "(with a retryable error) before the next try")
 
 
 class EngineConfig(SchedulerConfig):

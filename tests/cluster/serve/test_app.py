@@ -1,7 +1,6 @@
 """The Ray Serve application on CPU, driven over real ports by a gRPC client and the openai client."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from cluster.engine.build import build_engine
 from cluster.engine.request import GenerationRequest
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
+from tests.cluster.ray_fixtures import free_port
 
 pytestmark = pytest.mark.default_model
 PROMPT = "List the first five prime numbers, separated by commas:"
@@ -26,14 +26,8 @@ ARGS = {
         "engine": {"model": "smollm2-135m", "method": "pld", "max_sequences": 4, "max_len": 1024},
         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0,
     },
-    "limits": {"max_new_tokens": 64, "max_concurrent_requests": 8},
+    "limits": {"max_prompt_tokens": 960, "max_new_tokens": 64, "max_concurrent_requests": 8},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
