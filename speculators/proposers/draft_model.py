@@ -20,7 +20,10 @@ from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeMo
 from speculators.sampling import SamplingParams, warp
 from speculators.tree import DraftTree, chain_parents
 
-DRAFT_SALT = 1  # the drafter's random stream differs from the verifier's for the same seed
+DRAFT_SALT = 1
+"""Salts of the drafter's random streams start here (the verifier's is 0). Each step draws from a
+stream salted by the request's length, so a drafter restarted mid-request replays the numbers of a
+position and never reuses one position's numbers at another."""
 
 
 @dataclass
@@ -40,6 +43,8 @@ class _Draft:
     scratch_of: dict[int, int] = field(default_factory=lambda: {0: -1})
     """Tree node -> its index in the draft model's scratch (TreeInput parents), for the nodes the
     draft has run. The root is already committed in the draft model, which TreeInput calls -1."""
+    generator: torch.Generator | None = None
+    """This step's random stream (sampled requests)."""
 
     def run(self, nodes: list[int], scratch_start: int) -> TreeInput:
         """The input that runs `nodes` (children of nodes already run) after `scratch_start` scratch tokens."""
@@ -57,16 +62,8 @@ class DraftModelProposer(Proposer):
         if width < 1:
             raise ValueError("width must be >= 1")
         self.model, self.width = model, width
-        self._generators: dict[str, torch.Generator] = {}
         self._last_drafts: dict[str, tuple[DraftTree, dict[int, int]]] = {}
         """request id -> its last tree and that tree's scratch_of, to keep the accepted path's K/V."""
-
-    def _generator(self, request: DraftRequest) -> torch.Generator | None:
-        if request.sampling.greedy:
-            return None
-        if request.request_id not in self._generators:
-            self._generators[request.request_id] = request.sampling.generator(DRAFT_SALT)
-        return self._generators[request.request_id]
 
     def _catch_up(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
         """Feed each request's not-yet-seen committed tokens; return the logits after its root."""
@@ -88,7 +85,9 @@ class DraftModelProposer(Proposer):
         root_logits = self._catch_up(requests)
         drafts = []
         for request, logits in zip(requests, root_logits):
-            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0])
+            sampling = request.sampling
+            generator = None if sampling.greedy else sampling.generator(DRAFT_SALT + len(request.token_ids))
+            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0], generator=generator)
             if request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.open_branches = [_Branch(0, logits)]
             drafts.append(draft)
@@ -117,7 +116,7 @@ class DraftModelProposer(Proposer):
     def _grow(self, draft: _Draft, depth: int) -> list[int]:
         """Add the next token of every open branch (the root opens `width` branches)."""
         request = draft.request
-        generator = self._generator(request)
+        generator = draft.generator
         new_nodes, still_open = [], []
         for branch in draft.open_branches:
             room = request.max_nodes - (len(draft.tree_tokens) - 1)
@@ -182,5 +181,4 @@ class DraftModelProposer(Proposer):
     def release(self, request_id: str) -> None:
         if self.model.has(request_id):
             self.model.remove(request_id)
-        self._generators.pop(request_id, None)
         self._last_drafts.pop(request_id, None)
