@@ -98,6 +98,11 @@ class SpecServer:
             "in_flight": self.service.in_flight,
         }
 
+    def cost_curves(self) -> list[list[dict] | None]:
+        """Each target group's measured verification cost curve (None: the planner is off), for
+        operators: `serve.get_deployment_handle("SpecServer", app).cost_curves.remote()`."""
+        return [None if loop.engine.planner is None else loop.engine.planner.cost.to_json() for loop in self.cluster.loops]
+
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loops died."""
         dead = [loop for loop in self.cluster.loops if not loop.alive]

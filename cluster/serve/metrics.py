@@ -38,6 +38,9 @@ NAMES = {
     "specserve_verify_step_seconds": "mean time of a verification pass over the last period",
     "specserve_queue_depth": "requests waiting for a KV cache slot",
     "specserve_active_requests": "requests being decoded",
+    "specserve_drafter_failures": "draft calls that failed or timed out (kind=call) and drafted trees dropped as malformed "
+                                  "(kind=bad_tree); each costs its requests one plain step",
+    "specserve_target_failures": "target worker groups that failed (their requests ended with a retryable error)",
 }
 
 
@@ -57,6 +60,8 @@ class ServingMetrics:
         self.verify_step = Gauge("specserve_verify_step_seconds", d["specserve_verify_step_seconds"])
         self.queue_depth = Gauge("specserve_queue_depth", d["specserve_queue_depth"])
         self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
+        self.drafter_failures = Counter("specserve_drafter_failures", d["specserve_drafter_failures"], tag_keys=("kind",))
+        self.target_failures = Counter("specserve_target_failures", d["specserve_target_failures"])
         self._last = EngineCounters()
         self._lock = threading.Lock()
         self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "queue_wait_s": 0.0, "tokens_per_step": 1.0}
@@ -94,7 +99,15 @@ class ServingMetrics:
             request_passes=sum(e.counters.request_passes for e in engines),
             verify_seconds=sum(e.counters.verify_seconds for e in engines),
             draft_wait_seconds=sum(e.counters.draft_wait_seconds for e in engines),
+            draft_failures=sum(e.counters.draft_failures for e in engines),
+            bad_trees=sum(e.counters.bad_trees for e in engines),
+            target_failures=sum(e.counters.target_failures for e in engines),
         )
+        for counter, tags, change in ((self.drafter_failures, {"kind": "call"}, now.draft_failures - self._last.draft_failures),
+                                      (self.drafter_failures, {"kind": "bad_tree"}, now.bad_trees - self._last.bad_trees),
+                                      (self.target_failures, None, now.target_failures - self._last.target_failures)):
+            if change > 0:
+                counter.inc(change, tags=tags)
         steps = now.steps - self._last.steps
         passes = now.request_passes - self._last.request_passes
         tokens_per_step = (now.tokens - self._last.tokens) / passes if passes else self.latest["tokens_per_step"]

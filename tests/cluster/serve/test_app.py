@@ -155,3 +155,10 @@ def test_grpc_and_http_at_once(stub, ports, plain_ids):
     chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+
+
+def test_the_replica_exposes_its_measured_cost_curve(stub):
+    curves = serve.get_deployment_handle("SpecServer", "specserve").cost_curves.remote().result()
+    assert len(curves) == 1 and curves[0]
+    single = sorted((p["tokens"], p["seconds"]) for p in curves[0] if p["sequences"] == 1)
+    assert single[0][0] == 1 and all(seconds > 0 for _, seconds in single)

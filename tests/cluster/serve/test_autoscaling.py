@@ -88,3 +88,21 @@ def test_samples_from_two_threads_keep_every_token(tiny_model):
         thread.join()
     metrics.sample(loops)
     assert sum(seen) == engine.counters.tokens == 80
+
+
+def test_drafter_and_target_failures_are_counted_once(monkeypatch):
+    from types import SimpleNamespace
+
+    from cluster.engine.stats import EngineCounters
+
+    metrics, counted = ServingMetrics(), []
+    monkeypatch.setattr(metrics.drafter_failures, "inc", lambda n, tags=None: counted.append((tags["kind"], n)))
+    monkeypatch.setattr(metrics.target_failures, "inc", lambda n, tags=None: counted.append(("target", n)))
+    counters = EngineCounters(draft_failures=2, bad_trees=1, target_failures=1)
+    engine = SimpleNamespace(counters=counters, queue_depth=0, waiting=[])
+    loop = SimpleNamespace(engine=engine, load=0)
+    metrics.sample([loop])
+    metrics.sample([loop])  # nothing new: nothing counted again
+    counters.draft_failures += 1
+    metrics.sample([loop])
+    assert counted == [("call", 2), ("bad_tree", 1), ("target", 1), ("call", 1)]
