@@ -18,7 +18,7 @@ from actors.model.timing import time_passes
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
-from speculators.verify import VerifyResult, verify
+from speculators.verify import VerifyResult, verify, verify_greedy
 
 VERIFY_SALT = 0
 
@@ -57,7 +57,7 @@ class TargetWorker:
             self.runner.commit(item.seq_id, range(len(item.token_ids)))
 
     def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
-        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents) for seq_id, tree in batch]
+        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id)) for seq_id, tree in batch]
         all_logits = self.runner.forward(inputs)
         results = self._decide(batch, all_logits)
         for (seq_id, _), result in zip(batch, results):
@@ -67,10 +67,16 @@ class TargetWorker:
                 self.runner.commit(seq_id, result.accepted_nodes)
         return results
 
-    def _verify_one(self, seq_id: str, tree: DraftTree, logits: torch.Tensor) -> VerifyResult | RequestFailed:
+    def _wanted(self, seq_id: str) -> str:
+        """A greedy request needs only the target's choice at each node; a sampled one its logits."""
+        return "argmax" if self._sampling[seq_id][0].greedy else "all"
+
+    def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor) -> VerifyResult | RequestFailed:
         """One request's decision; what it raises fails that request alone, not its neighbours."""
         try:
-            return verify(tree, logits, *self._sampling[seq_id])
+            if self._wanted(seq_id) == "argmax":
+                return verify_greedy(tree, scores.tolist())
+            return verify(tree, scores, *self._sampling[seq_id])
         except Exception as error:
             return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
 

@@ -11,6 +11,7 @@ without-replacement form).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,13 @@ def verify(
     if target_logits.shape[0] != tree.size:
         raise ValueError(f"need target logits for all {tree.size} nodes, got {target_logits.shape[0]}")
     if params.greedy:
-        return verify_greedy(tree, target_logits)
+        return verify_greedy(tree, target_logits.argmax(-1).tolist())
     return verify_sampled(tree, warp(target_logits, params), generator)
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
-    best = target_logits.argmax(-1).tolist()
+def verify_greedy(tree: DraftTree, best: Sequence[int]) -> VerifyResult:
+    """Greedy verification needs only the target's choice at each node (`best[i]`: the argmax after
+    node i), which a tensor-parallel target finds without gathering full-vocabulary rows."""
     node, path = 0, [0]
     while True:
         match = next((kid for kid in tree.children[node] if tree.token_ids[kid] == best[node]), None)

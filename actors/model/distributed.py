@@ -77,6 +77,11 @@ class TorchDistributedComm(Communicator):
         dist.all_gather(pieces, padded)
         return torch.cat([piece[..., :size] for piece, size in zip(pieces, self._vocab_sizes)], dim=-1)
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor.contiguous())
+        return pieces
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         holder = [obj if self.rank == src else None]
         dist.broadcast_object_list(holder, src=src, device=self.device)

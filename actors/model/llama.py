@@ -189,6 +189,17 @@ class LlamaDecoder(nn.Module):
         """Full-vocabulary logits of final hidden states (gathered across ranks)."""
         return self.comm.all_gather_last_dim(project(hidden, self.head_weight()))
 
+    def likeliest(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each final hidden state, as `logits(hidden).argmax(-1)` gives it (the
+        first of equal maxima), with only each rank's best (value, token) gathered across ranks."""
+        local = project(hidden, self.head_weight())
+        if self.comm.world_size == 1:
+            return local.argmax(-1)
+        values, tokens = local.max(-1)
+        gathered = self.comm.all_gather(torch.stack([values.float(), (tokens + self.vocab_start).float()]))
+        values, tokens = torch.stack([g[0] for g in gathered]), torch.stack([g[1] for g in gathered])
+        return tokens.gather(0, values.argmax(0, keepdim=True))[0].long()
+
     @torch.inference_mode()
     def forward(
         self,

@@ -89,7 +89,8 @@ class ModelRunner:
                 prefix = torch.ones(count, state.length, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
             segments.append(Segment(state.slot, start, count, mask))
-            wanted = {"all": range(offset, offset + count), "last": [offset + count - 1]}.get(item.logits, [])
+            wanted = {"all": range(offset, offset + count), "argmax": range(offset, offset + count),
+                      "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)
             rows.extend(wanted)
             offset += count
@@ -103,8 +104,22 @@ class ModelRunner:
             self.cache,
             torch.tensor(rows, device=device) if rows else None,
         )
-        logits = self.model.logits(hidden).float() if rows else None
-        return [None if span is None else logits[span[0]:span[1]] for span in spans]
+        return self._outputs(hidden, spans, [item.logits for item in inputs])
+
+    def _outputs(self, hidden: torch.Tensor | None, spans: list[tuple[int, int] | None],
+                 kinds: list[str]) -> list[torch.Tensor | None]:
+        """Each input's rows of `hidden` as logits, or as argmax tokens: one LM-head product per kind."""
+        outputs: list[torch.Tensor | None] = [None] * len(spans)
+        for argmax, compute in ((True, self.model.likeliest), (False, lambda h: self.model.logits(h).float())):
+            chosen = [i for i, span in enumerate(spans) if span is not None and (kinds[i] == "argmax") is argmax]
+            if not chosen:
+                continue
+            rows = torch.cat([torch.arange(*spans[i]) for i in chosen]).to(hidden.device)
+            computed, offset = compute(hidden.index_select(0, rows)), 0
+            for i in chosen:
+                count = spans[i][1] - spans[i][0]
+                outputs[i], offset = computed[offset:offset + count], offset + count
+        return outputs
 
     def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
         state = self._sequences[seq_id]
