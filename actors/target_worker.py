@@ -40,7 +40,7 @@ class TargetWorker:
             if len(prompt) >= self.max_len:
                 raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
             self.runner.add(seq_id)
-            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT)
+            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
         inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none") for s, p, _ in requests]
         self.runner.forward(inputs)
