@@ -102,8 +102,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         batch.write(cache, layer, k, v)
-        keys, values = batch.read(cache, layer)
-        return self.o_proj(batch.outputs(backend.attend(batch.queries(q), keys, values, batch.mask)))
+        return self.o_proj(backend.attend(q, batch, cache, layer))
 
 
 class MLP(nn.Module):

@@ -88,7 +88,7 @@ class ModelRunner:
             if not bool(scratch_rows.all()):
                 prefix = torch.ones(count, state.length, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
-            segments.append(Segment(state.slot, start, count, mask))
+            segments.append(Segment(state.slot, start, count, mask, prefix=state.length))
             wanted = {"all": range(offset, offset + count), "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)
             rows.extend(wanted)
