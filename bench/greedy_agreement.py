@@ -51,12 +51,16 @@ def decode(worker: TargetWorker, prompt: Sequence[int], new_tokens: int, drafter
     return Decoded(sequence[len(prompt): len(prompt) + new_tokens], passes)
 
 
-def oracle_drafter(prompt_length: int, reference: Sequence[int], depth: int) -> Drafter:
-    """Proposes the next `depth` tokens of `reference` (plain decoding's output) as a chain: a
-    drafter that always agrees with the target, as long as the output follows the reference."""
+def oracle_drafter(prompt_length: int, reference: Sequence[int], depth: int, width: int = 1,
+                   vocab_size: int = 0) -> Drafter:
+    """Proposes the next `depth` tokens of `reference` (plain decoding's output): a drafter that
+    always agrees with the target, as long as the output follows the reference. With `width` > 1
+    the tree also gets `width - 1` wrong first tokens as siblings (a tree, not a chain, to verify)."""
     def propose(sequence: list[int]) -> DraftTree:
         done = len(sequence) - prompt_length
-        return DraftTree.chain(sequence[-1], list(reference[done: done + depth]))
+        good = list(reference[done: done + depth])
+        wrong = [[(good[0] + k) % vocab_size] for k in range(1, width)] if good else []
+        return DraftTree.from_paths(sequence[-1], [good, *wrong])
     return propose
 
 
@@ -107,13 +111,14 @@ def divergence_at(target: LlamaDecoder, full_precision: LlamaDecoder, prompt: in
 
 
 def measure_agreement(target: LlamaDecoder, full_precision: LlamaDecoder, prompts: Sequence[Sequence[int]],
-                      new_tokens: int, depth: int = 4) -> Agreement:
+                      new_tokens: int, depth: int = 4, width: int = 1) -> Agreement:
     """Plain against oracle-drafted speculative greedy decoding of `target`, prompt by prompt."""
     worker = TargetWorker(target, 1, max(len(p) for p in prompts) + new_tokens + depth + 1)
     agreement = Agreement(len(prompts), 0)
     for index, prompt in enumerate(prompts):
         plain = decode(worker, prompt, new_tokens).tokens
-        speculative = decode(worker, prompt, new_tokens, oracle_drafter(len(prompt), plain, depth)).tokens
+        speculative = decode(worker, prompt, new_tokens,
+                             oracle_drafter(len(prompt), plain, depth, width, target.config.vocab_size)).tokens
         if speculative == plain:
             agreement.identical += 1
             continue

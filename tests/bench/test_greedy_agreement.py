@@ -46,3 +46,6 @@ def test_the_oracle_drafter_makes_every_pass_accept_its_whole_draft(tiny_model):
     plain = decode(worker, [1, 2, 3], 12)
     drafted = decode(worker, [1, 2, 3], 12, oracle_drafter(3, plain.tokens, 3))
     assert drafted.tokens == plain.tokens and plain.passes == 12 and drafted.passes == 3
+    tree = oracle_drafter(3, plain.tokens, 3, width=3, vocab_size=64)([1, 2, 3])
+    assert tree.num_drafted == 5 and tree.parents == [-1, 0, 1, 2, 0, 0]
+    assert decode(worker, [1, 2, 3], 12, oracle_drafter(3, plain.tokens, 3, 3, 64)).tokens == plain.tokens
