@@ -44,10 +44,11 @@ class TargetShard:
         dtype: str = "float32",
         device: str = "cpu",
         attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
     ):
         self.rank, self.world_size = rank, world_size
         self.device = bind_device(device)
-        self._load = (model, max_sequences, max_len, dtype, attention_backend)
+        self._load = (model, max_sequences, max_len, dtype, attention_backend, cuda_graphs)
         self.worker: TargetWorker | None = None
 
     def node(self) -> tuple[str, str]:
@@ -62,7 +63,7 @@ class TargetShard:
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the process group at rank 0's address, then load this rank's slice of the weights."""
-        model, max_sequences, max_len, dtype, attention_backend = self._load
+        model, max_sequences, max_len, dtype, attention_backend, cuda_graphs = self._load
         path = resolve_model(model)
         comm = Communicator()
         if self.world_size > 1:
@@ -70,7 +71,7 @@ class TargetShard:
             comm = TorchDistributedComm(load_config(path), self.device)
         decoder = load_model(path, getattr(torch, dtype), self.device, ShardPlan(self.rank, self.world_size), comm,
                              attention_backend)
-        self.worker = TargetWorker(decoder, max_sequences, max_len)
+        self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs)
 
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
         self.worker.start(requests)
@@ -115,6 +116,7 @@ class TargetGroup:
         dtype: str = "float32",
         device: str = "cpu",
         attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
         actor_options: Sequence[dict[str, Any]] | None = None,
         ready_timeout_s: float = 600.0,
     ):
@@ -133,7 +135,7 @@ class TargetGroup:
         shard_class = ray.remote(TargetShard)
         self._shards = [
             shard_class.options(**options[rank]).remote(
-                model, rank, world_size, max_sequences, max_len, dtype, device, attention_backend
+                model, rank, world_size, max_sequences, max_len, dtype, device, attention_backend, cuda_graphs
             )
             for rank in range(world_size)
         ]

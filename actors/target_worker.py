@@ -23,9 +23,9 @@ VERIFY_SALT = 0
 
 
 class TargetWorker:
-    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048):
+    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048, cuda_graphs: bool = False):
         self.model = model
-        self.runner = ModelRunner(model, max_sequences, max_len)
+        self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
 
     @property

@@ -3,8 +3,8 @@
 Random-weight Llama-family models are built on the GPU (bench/gpu_models.py) and the checks of
 bench/gpu_checks.py run one after another: logits against transformers, greedy losslessness of
 tree verification in bf16, sampling with a device generator, the cost of verification passes,
-tokens/s with an oracle drafter and plainly, a draft model's step, and a TP=1 shard with a draft
-worker on the same GPU. Each check is isolated (its error is recorded and the next one runs) and
+tokens/s with an oracle drafter and plainly, a draft model's step, CUDA graphs against eager
+passes, and a TP=1 shard with a draft worker on the same GPU. Each check is isolated (its error is recorded and the next one runs) and
 the whole run keeps to a time budget (a check still running when it is spent is interrupted).
 Results go to DIR as JSON and a short Markdown table, rewritten after every check so that a run
 cut short still leaves what it measured. `--cpu-dry-run` runs the same checks on tiny shapes on
@@ -106,6 +106,9 @@ def headline(name: str, record: dict) -> str:
                          for k, row in result["results"].items())
     if name == "draft_step":
         return "; ".join(f"{batch}: {cell['ms_per_depth']:.2f} ms/depth" for batch, cell in result["results"].items())
+    if name == "cuda_graphs":
+        return "; ".join(f"{k}: plain {row['plain_speedup']:.2f}x with graphs {row['cuda graphs']['graphed_sizes']}, "
+                         f"same tokens {row['same_plain_tokens']}" for k, row in result["results"].items())
     if name == "shard_path":
         return f"{result['route']}; identical to plain: {result['identical_to_plain']}"
     return ""

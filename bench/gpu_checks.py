@@ -249,11 +249,13 @@ def tokens_per_second(ctx: Context) -> dict:
 
 def draft_step(ctx: Context) -> dict:
     """What a draft model's step costs at batch 1 and 8: catching up on one committed token, then
-    drafting a depth-4 chain (greedy), as every engine step asks of it."""
+    drafting a depth-4 chain (greedy), as every engine step asks of it; batch 1 also with CUDA
+    graphs (one-sequence passes only)."""
     decoder = ctx.model("draft").decoder
-    proposer = DraftModelProposer(ModelRunner(decoder, max(BATCHES), ctx.sizes.prompt + 8), width=1)
     results = {}
-    for batch in BATCHES:
+    for batch, graphs in [(batch, False) for batch in BATCHES] + [(1, True)]:
+        runner = ModelRunner(decoder, max(BATCHES), ctx.sizes.prompt + 8 + max(TREE_SIZES), cuda_graphs=graphs)
+        proposer = DraftModelProposer(runner, width=1)
         requests = [DraftRequest(f"r{i}", ctx.prompt(ctx.sizes.prompt, i), 4, 4) for i in range(batch)]
         proposer.propose(requests)  # warm-up; also fills the draft's cache with the prompts
         samples = []
@@ -262,10 +264,35 @@ def draft_step(ctx: Context) -> dict:
                 proposer.on_accept(request.request_id, request.token_ids[:-1])
             _, seconds = _timed(lambda: proposer.propose(requests), ctx.device)
             samples.append(seconds)
-        results[f"batch {batch}"] = {"ms_per_proposal": 1e3 * min(samples), "ms_per_depth": 1e3 * min(samples) / 4}
-        for request in requests:
-            proposer.release(request.request_id)
+        label = f"batch {batch}" + (", cuda graphs" if graphs else "")
+        results[label] = {"ms_per_proposal": 1e3 * min(samples), "ms_per_depth": 1e3 * min(samples) / 4,
+                          "graphed_sizes": runner.graphed_sizes}
+        del proposer, runner
     return {"draft": ctx.shapes["draft"].name, "results": results}
+
+
+def cuda_graphs(ctx: Context) -> dict:
+    """Plain and oracle-drafted decoding at batch 1 with CUDA graphs replayed for one-sequence
+    passes, against eager passes (on a CPU the flag is off: both columns run eagerly)."""
+    new, prompt = ctx.sizes.new_tokens, ctx.prompt(ctx.sizes.prompt)
+    max_len = len(prompt) + new + max(TREE_SIZES) + 1  # a padded bucket writes past the tokens it runs
+    results = {}
+    for key in ("1b", "8b"):
+        row, tokens = {}, {}
+        for label, graphs in (("eager", False), ("cuda graphs", True)):
+            worker = TargetWorker(ctx.model(key).decoder, 1, max_len, cuda_graphs=graphs)
+            decode(worker, prompt, 4)  # warm-up
+            plain, plain_s = _timed(lambda: decode(worker, prompt, new), ctx.device)
+            drafter = oracle_drafter(len(prompt), plain.tokens, 4)
+            _, oracle_s = _timed(lambda: decode(worker, prompt, new, drafter), ctx.device)
+            row[label] = {"graphed_sizes": worker.runner.graphed_sizes, "plain_tokens_per_s": new / plain_s,
+                          "oracle_depth_4_tokens_per_s": new / oracle_s}
+            tokens[label] = plain.tokens
+            del worker
+        row["same_plain_tokens"] = tokens["eager"] == tokens["cuda graphs"]
+        row["plain_speedup"] = row["cuda graphs"]["plain_tokens_per_s"] / row["eager"]["plain_tokens_per_s"]
+        results[key] = row
+    return {"new_tokens": new, "results": results}
 
 
 def _draft_proposer(path: str, dtype: str, device: str, max_len: int) -> DraftModelProposer:
@@ -343,5 +370,6 @@ CHECKS: dict[str, Callable[[Context], dict]] = {
     "verification_cost": verification_cost,
     "tokens_per_second": tokens_per_second,
     "draft_step": draft_step,
+    "cuda_graphs": cuda_graphs,
     "shard_path": shard_path,
 }

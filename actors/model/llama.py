@@ -204,7 +204,18 @@ class LlamaDecoder(nn.Module):
         """
         for segment in segments:
             cache.check_room(segment.end)
-        batch = PackedBatch(segments, self.device)
+        return self.run(input_ids, positions, PackedBatch(segments, self.device), cache, logit_rows)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCache,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """`forward` over a layout already built: device work only, so a CUDA graph can capture it."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         last = len(self.model.layers) - 1

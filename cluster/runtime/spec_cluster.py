@@ -78,7 +78,7 @@ class SpecCluster:
         return TargetGroup(
             config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
             max_len=config.max_len, dtype=config.dtype, device=config.device,
-            attention_backend=config.attention_backend, actor_options=options,
+            attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
         )
 
     def _rebuild_target_group(self, group: int) -> TargetGroup:
