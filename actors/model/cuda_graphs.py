@@ -80,11 +80,12 @@ class GraphedForward:
         fits = model.comm.world_size == 1 and model.backend.name == "sdpa"
         self.buckets = {size: _Bucket(model, size, cache.max_len) for size in buckets if size <= cache.max_len} if fits else {}
         if capture:
-            pool = None
             for bucket in self.buckets.values():
-                pool = self._capture(bucket, pool)
+                self._capture(bucket)
 
-    def _capture(self, bucket: _Bucket, pool):
+    def _capture(self, bucket: _Bucket) -> None:
+        """Each graph gets its own memory pool: graphs that share one are safe only when replayed
+        in the order they were captured, and calls come in any order."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture, as CUDA graphs require
@@ -92,9 +93,8 @@ class GraphedForward:
                 self._run(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         bucket.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.graph, pool=pool):
+        with torch.cuda.graph(bucket.graph):
             bucket.output = self._run(bucket)
-        return bucket.graph.pool()
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         return self.model.run(bucket.input_ids, bucket.positions, bucket.batch, self.cache, bucket.rows)
@@ -109,7 +109,7 @@ class GraphedForward:
         return self.buckets[size]
 
     def __call__(self, input_ids, positions, segments, cache, logit_rows=None):
-        bucket = self._bucket_for(segments, logit_rows) if cache is self.cache else None
+        bucket = self._bucket_for(segments, logit_rows)
         if bucket is None:
             return self.model(input_ids, positions, segments, cache, logit_rows)
         cache.check_room(segments[0].end)
