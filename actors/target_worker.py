@@ -32,9 +32,9 @@ class RequestFailed:
 
 
 class TargetWorker:
-    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048):
+    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048, cuda_graphs: bool = False):
         self.model = model
-        self.runner = ModelRunner(model, max_sequences, max_len)
+        self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
 
     @property
@@ -49,7 +49,7 @@ class TargetWorker:
             if len(prompt) >= self.max_len:
                 raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
             self.runner.add(seq_id)
-            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT)
+            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
         inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none") for s, p, _ in requests]
         self.runner.forward(inputs)

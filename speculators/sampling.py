@@ -37,8 +37,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, salt: int = 0) -> torch.Generator:
-        generator = torch.Generator()
+    def generator(self, salt: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A random stream for this request, on `device`: torch draws only with a generator of the
+        tensor's own device (a CUDA multinomial with a CPU generator raises), so it is made where
+        the probabilities it samples from live."""
+        generator = torch.Generator(device=device)
         if self.seed is None:
             generator.seed()
         else:

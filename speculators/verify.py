@@ -93,17 +93,20 @@ def _without(q: torch.Tensor, token: int) -> torch.Tensor:
 def verify_sampled(
     tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> VerifyResult:
+    """`target_probs` may live on a GPU (then so must `generator`); the tree's draft probabilities
+    arrive from a draft actor on the CPU and are moved next to them one visited row at a time."""
     target_probs = target_probs.double()
+    device = target_probs.device
     node, path = 0, [0]
     while True:
         p = target_probs[node]
         kids = tree.children[node]
-        q = None if tree.draft_probs is None or not kids else tree.draft_probs[kids[0]].double()
+        q = None if tree.draft_probs is None or not kids else tree.draft_probs[kids[0]].to(device, torch.float64)
         accepted = None
         for kid in kids:
             token = tree.token_ids[kid]
             chance = _acceptance(float(p[token]), 1.0 if q is None else float(q[token]))
-            if torch.rand((), generator=generator, dtype=torch.float64).item() < chance:
+            if torch.rand((), generator=generator, dtype=torch.float64, device=device).item() < chance:
                 accepted = kid
                 break
             p = _residual(p, q, token)

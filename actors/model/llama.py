@@ -102,8 +102,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         batch.write(cache, layer, k, v)
-        keys, values = batch.read(cache, layer)
-        return self.o_proj(batch.outputs(backend.attend(batch.queries(q), keys, values, batch.mask)))
+        return self.o_proj(backend.attend(q, batch, cache, layer))
 
 
 class MLP(nn.Module):
@@ -216,7 +215,18 @@ class LlamaDecoder(nn.Module):
         """
         for segment in segments:
             cache.check_room(segment.end)
-        batch = PackedBatch(segments, self.device)
+        return self.run(input_ids, positions, PackedBatch(segments, self.device), cache, logit_rows)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCache,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """`forward` over a layout already built: device work only, so a CUDA graph can capture it."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         last = len(self.model.layers) - 1

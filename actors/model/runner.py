@@ -14,6 +14,7 @@ import torch
 
 from actors.model.kv_cache import CacheFullError, KVCache
 from actors.model.batch import Segment
+from actors.model.cuda_graphs import GraphedForward
 from actors.model.llama import LlamaDecoder
 from speculators.proposers.base import TreeInput
 from speculators.tree import extend_ancestors
@@ -29,15 +30,23 @@ class _SequenceState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, max_sequences: int, max_len: int):
+    def __init__(self, model: LlamaDecoder, max_sequences: int, max_len: int, cuda_graphs: bool = False):
+        """`cuda_graphs`: replay captured graphs for one-sequence passes on a GPU (cuda_graphs.py);
+        ignored on a CPU."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.cache: KVCache = model.new_cache(max_sequences, max_len)
         self._sequences: dict[str, _SequenceState] = {}
+        self._pass = GraphedForward(model, self.cache) if cuda_graphs and model.device.type == "cuda" else model
 
     @property
     def max_len(self) -> int:
         return self.cache.max_len
+
+    @property
+    def graphed_sizes(self) -> list[int]:
+        """New-token counts whose one-sequence passes replay a CUDA graph (none when off)."""
+        return sorted(self._pass.buckets) if isinstance(self._pass, GraphedForward) else []
 
     def add(self, seq_id: str) -> None:
         if seq_id in self._sequences:
@@ -88,7 +97,7 @@ class ModelRunner:
             if not bool(scratch_rows.all()):
                 prefix = torch.ones(count, state.length, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
-            segments.append(Segment(state.slot, start, count, mask))
+            segments.append(Segment(state.slot, start, count, mask, prefix=state.length))
             wanted = {"all": range(offset, offset + count), "argmax": range(offset, offset + count),
                       "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)
@@ -97,7 +106,7 @@ class ModelRunner:
         if not segments:
             return [None] * len(inputs)
         device = self.model.device
-        hidden = self.model(
+        hidden = self._pass(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             segments,

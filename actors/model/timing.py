@@ -19,6 +19,13 @@ from speculators.proposers.base import TreeInput
 from speculators.tree import chain_parents
 
 
+def finish_queued_work(device: torch.device) -> None:
+    """Wait for the device: GPU kernels run after the call that queued them returns, so a pass
+    timed without this would measure only its launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _split(tokens: int, sequences: int) -> list[int]:
     base, extra = divmod(tokens, sequences)
     return [base + (1 if index < extra else 0) for index in range(sequences)]
@@ -56,6 +63,7 @@ def time_passes(
             for shape_inputs, shape_samples in zip(inputs, samples):
                 began = time.perf_counter()
                 runner.forward(shape_inputs)
+                finish_queued_work(runner.model.device)
                 if attempt:
                     shape_samples.append(time.perf_counter() - began)
                 for item in shape_inputs:

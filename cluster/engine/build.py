@@ -49,7 +49,8 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
             f"draft {config.draft!r} has {draft.config.vocab_size} tokens, the target "
             f"{target.config.vocab_size}: a draft model must share the target's tokenizer"
         )
-    return DraftModelProposer(ModelRunner(draft, config.max_sequences, config.max_len), width=config.draft_width)
+    runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs)
+    return DraftModelProposer(runner, width=config.draft_width)
 
 
 def local_engine(
@@ -60,13 +61,14 @@ def local_engine(
     eos_token_ids=(),
     cost: CostCurve | bool = False,
     cost_key: str | None = None,
+    cuda_graphs: bool = False,
 ) -> SpecEngine:
     """An engine whose target and drafter run in this process (each on its own thread).
 
     `cost` turns on the planner's draft sizing: a CostCurve to use, or True to measure the target's
     (read from the cache under `cost_key` when there).
     """
-    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len), "target")
+    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, cuda_graphs), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
     curve = None
@@ -85,7 +87,7 @@ def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerB
     tokenizer = load_tokenizer(config.model)
     target = load_model(config.model, getattr(torch, config.dtype), config.device, attention_backend=config.attention_backend)
     engine = local_engine(target, tokenizer, build_proposer(config, target), config,
-                          cost=config.step_token_budget is None, cost_key=cost_key_of(config))
+                          cost=config.step_token_budget is None, cost_key=cost_key_of(config), cuda_graphs=config.cuda_graphs)
     return engine, tokenizer
 
 

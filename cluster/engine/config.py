@@ -79,7 +79,13 @@ class EngineConfig(SchedulerConfig):
         65536, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
-    attention_backend: str = Field("sdpa", description="attention kernel: sdpa")
+    cuda_graphs: bool = Field(
+        False, description="on a GPU, replay captured CUDA graphs for one-sequence passes of up to 64 new tokens "
+        "(decode, small verification and draft steps); ignored on a CPU")
+    attention_backend: Literal["sdpa", "split"] = Field(
+        "sdpa", description="attention kernel: sdpa (one masked attention over each sequence's cache) or split "
+        "(the committed prefix without a mask, through vllm_flash_attn when it imports on CUDA, merged with the "
+        "tree block's masked attention by log-sum-exp)")
 
     def layer_skip_layers(self) -> int | None:
         """N of a 'layer-skip:N' draft, else None."""

@@ -77,7 +77,8 @@ class SpecCluster:
         options = [self.placement.target_options(group, rank) for rank in range(self.spec.tensor_parallel_size)]
         return TargetGroup(
             config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
-            max_len=config.max_len, dtype=config.dtype, device=config.device, actor_options=options,
+            max_len=config.max_len, dtype=config.dtype, device=config.device,
+            attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
         )
 
     def _rebuild_target_group(self, group: int) -> TargetGroup:

@@ -148,3 +148,19 @@ def test_group_answers_pings_until_shut_down(tiny_model_dir):
     assert not group.alive()
     with pytest.raises(RuntimeError, match="shut down"):
         group.submit("ping")
+
+
+def test_a_shard_starts_in_two_steps_and_a_world_of_one_needs_no_rendezvous(tiny_model_dir):
+    """Constructing a shard loads nothing (the group first asks rank 0 for its port); join loads."""
+    import socket
+
+    from actors.target_group import TargetShard
+
+    shard = TargetShard(str(tiny_model_dir), 0, 1, max_sequences=1, max_len=32, dtype="float64")
+    assert shard.worker is None and shard.device == torch.device("cpu")
+    port = shard.rendezvous_port()
+    with socket.socket() as listener:
+        listener.bind(("", port))  # free on every address of this node
+    shard.join("127.0.0.1", 0)
+    shard.start([("r", [1, 2, 3], SamplingParams())])
+    assert len(shard.verify([("r", DraftTree.root_only(3))])[0].new_tokens) == 1
