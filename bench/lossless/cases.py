@@ -72,7 +72,7 @@ class Case:
 
 
 DRAFTERS = {
-    "pld": {"method": "pld"},
+    "pld": {"method": "pld", "prompt_lookup_max_branches": 1},
     "pld-tree": {"method": "pld", "prompt_lookup_max_branches": 3},
     "draft": {"method": "draft", "draft": "<draft model>"},
     "layer-skip": {"method": "draft", "draft": "layer-skip:1"},

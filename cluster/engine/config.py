@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
+from speculators.proposers import prompt_lookup as pld, suffix
 
 Method = Literal["none", "pld", "suffix", "draft"]
 LAYER_SKIP_PREFIX = "layer-skip:"
@@ -61,22 +62,22 @@ class EngineConfig(SchedulerConfig):
     )
     draft_width: int = Field(1, ge=1, le=16, description="draft model: branches at the root of each tree")
     prompt_lookup_num_tokens: int = Field(
-        10, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
+        pld.NUM_TOKENS, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
         description="prompt lookup: most tokens copied after a match (alias pld_num_pred_tokens)")
     prompt_lookup_max_ngram_size: int = Field(
-        2, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_ngram_size", "pld_max_ngram_size"),
+        pld.MAX_NGRAM_SIZE, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_ngram_size", "pld_max_ngram_size"),
         description="prompt lookup: longest n-gram matched (alias pld_max_ngram_size)")
     prompt_lookup_max_branches: int = Field(
-        1, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
+        pld.MAX_BRANCHES, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
         description="prompt lookup: earlier matches merged into one tree (alias pld_max_branches)")
     suffix_decoding_max_tree_depth: int = Field(
-        24, ge=2, le=128, description="suffix decoding: longest substring of earlier outputs indexed")
+        suffix.MAX_DEPTH, ge=2, le=128, description="suffix decoding: longest substring of earlier outputs indexed")
     suffix_decoding_max_spec_factor: float = Field(
-        1.0, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
+        suffix.MAX_SPEC_FACTOR, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
     suffix_decoding_min_token_prob: float = Field(
-        0.1, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
+        suffix.MIN_TOKEN_PROB, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
     suffix_decoding_max_cached_tokens: int = Field(
-        65536, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
+        suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
     cuda_graphs: bool = Field(

@@ -23,6 +23,11 @@ from speculators.proposers.prompt_lookup import MAX_OCCURRENCES, NgramIndex
 from speculators.tree import DraftTree
 
 
+MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, MAX_CACHED_TOKENS = 24, 4.0, 0.1, 65536
+"""Defaults (the serving defaults read them too): vLLM's tree depth and probability floor; a spec
+factor of 4 measured best here once the planner trims what does not pay."""
+
+
 class _Node:
     __slots__ = ("count", "children")
 
@@ -107,8 +112,8 @@ class SuffixProposer(Proposer):
     name = "suffix"
     provides_probabilities = False
 
-    def __init__(self, max_depth: int = 24, max_match: int = 8, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1, max_cached_tokens: int = 65536):
+    def __init__(self, max_depth: int = MAX_DEPTH, max_match: int = 8, max_spec_factor: float = MAX_SPEC_FACTOR,
+                 min_token_prob: float = MIN_TOKEN_PROB, max_cached_tokens: int = MAX_CACHED_TOKENS):
         if max_depth < 2 or max_match < 1 or max_spec_factor <= 0 or max_cached_tokens < 1:
             raise ValueError("suffix decoding needs max_depth >= 2, max_match >= 1, max_spec_factor > 0, "
                              "max_cached_tokens >= 1")
