@@ -63,7 +63,7 @@ def comma_list(choices: Iterable[str] | None = None) -> Callable[[str], list[str
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     parser.add_argument("--methods", type=comma_list(METHODS), default=["pld", "suffix"],
-                        help="our methods, comma separated (none, pld, draft); plain decoding 'none' always runs")
+                        help=f"our methods, comma separated ({', '.join(METHODS)}); plain decoding 'none' always runs")
     parser.add_argument("--peers", type=comma_list(PEERS), default=["hf", "hf-pld", "hf-assisted", "llama-cpp-pld"],
                         help=f"peers, comma separated ({', '.join(PEERS)}) or 'none'; each peer's own plain "
                              "decoding (hf, llama-cpp) runs with it")
