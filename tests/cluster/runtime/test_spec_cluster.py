@@ -102,3 +102,19 @@ def test_a_dead_target_shard_fails_its_requests_clearly_then_recovers(cluster, e
     assert cluster.target_groups[0] is not group  # rebuilt
     again = cluster.generate(requests("n"), timeout_s=120)
     assert [o.token_ids for o in again] == expected
+
+
+def test_one_draft_actor_serves_every_target_group_without_running_out_of_slots(ray_four_gpus, tiny_model_dir,
+                                                                                 expected):
+    """Two target groups of 2 slots each share one draft-model actor: it holds 4 requests at once."""
+    engine = EngineConfig(model=str(tiny_model_dir), method="draft", draft="layer-skip:2", max_sequences=2, max_len=256)
+    spec = ClusterSpec(engine=engine, num_target_groups=2, num_draft_actors=1)
+    cluster = SpecCluster(spec).start()
+    try:
+        outputs = cluster.generate(requests("g"), timeout_s=120)
+        failures = [loop.engine.counters.draft_failures for loop in cluster.loops]
+    finally:
+        cluster.shutdown()
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.stats.accepted for o in outputs) > 0
+    assert failures == [0, 0]
