@@ -62,5 +62,5 @@ def test_merged_trees_keep_every_source_path_and_the_likeliest_nodes():
     learned = DraftTree([9, 1, 3, 4], [-1, 0, 1, 0], confidence=[1.0, 0.6, 0.8, 0.3])
     merged = merge_trees([own, learned], max_nodes=3)
     # path 1 keeps its higher confidence (0.9); 1->3 (0.72) and 1->2 (0.45) beat 4 (0.3)
-    assert merged.token_ids == [9, 1, 2, 3] and merged.parents == [-1, 0, 1, 1]
+    assert merged.token_ids == [9, 1, 3, 2] and merged.parents == [-1, 0, 1, 1]
     assert merged.confidence[1] == 0.9
