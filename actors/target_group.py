@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from actors.draft_worker import DraftWorker
-from actors.model.distributed import TorchDistributedComm, init_process_group
+from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.sharding import Communicator, ShardPlan
-from actors.target_worker import TargetWorker
+from actors.target_worker import RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
 from speculators.sampling import SamplingParams
@@ -33,7 +33,10 @@ class TargetShard:
     """One tensor-parallel rank of a target: joins the process group, loads its slice, serves calls.
 
     A plain class; TargetGroup makes it a Ray actor (`ray.remote(TargetShard)`), so importing this
-    module needs no running Ray. A world of one skips the process group: nothing to talk to.
+    module needs no running Ray. Starting takes two steps, because the rendezvous address belongs
+    to rank 0's node, which is known only once the actors are placed: construct every rank, ask
+    rank 0 for a free port on its node (`rendezvous_port`), then `join` every rank there. A world
+    of one skips the process group: nothing to talk to.
     """
 
     def __init__(
@@ -41,35 +44,57 @@ class TargetShard:
         model: str,
         rank: int,
         world_size: int,
-        master_addr: str,
-        master_port: int,
         max_sequences: int = 8,
         max_len: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
+        attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
         hidden_layers: Sequence[int] = (),
         hidden_dtype: str = "float32",
         build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
     ):
-        path = resolve_model(model)
-        comm = Communicator()
-        if world_size > 1:
-            init_process_group(rank, world_size, master_addr, master_port)
-            comm = TorchDistributedComm(load_config(path), device)
-        self.rank = rank
-        decoder = load_model(path, getattr(torch, dtype), device, ShardPlan(rank, world_size), comm)
+        self.rank, self.world_size = rank, world_size
         if build_drafter is not None and world_size > 1:
             raise ValueError("a co-located drafter needs a target of one rank (tensor parallel size 1)")
-        self.drafter = None if build_drafter is None else ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder)))
-        if self.drafter is not None:
+        self.device = bind_device(device)
+        self._load = (model, max_sequences, max_len, dtype, attention_backend, cuda_graphs)
+        self._hidden = (tuple(hidden_layers), hidden_dtype, build_drafter)
+        self.worker: TargetWorker | None = None
+        self.drafter: ColocatedDrafter | None = None
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node address) of this rank's process."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def rendezvous_port(self) -> int:
+        """A port free on this rank's node now (asked of rank 0, which listens there at the rendezvous)."""
+        return _free_port()
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the process group at rank 0's address, then load this rank's slice of the weights."""
+        model, max_sequences, max_len, dtype, attention_backend, cuda_graphs = self._load
+        hidden_layers, hidden_dtype, build_drafter = self._hidden
+        path = resolve_model(model)
+        comm = Communicator()
+        if self.world_size > 1:
+            init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
+            comm = TorchDistributedComm(load_config(path), self.device)
+        decoder = load_model(path, getattr(torch, dtype), self.device, ShardPlan(self.rank, self.world_size), comm,
+                             attention_backend)
+        if build_drafter is not None:
+            self.drafter = ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder)))
             hidden_layers, hidden_dtype = self.drafter.hidden_spec()
-        self.worker = TargetWorker(decoder, max_sequences, max_len, hidden_layers, getattr(torch, hidden_dtype))
+        self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs, hidden_layers,
+                                   getattr(torch, hidden_dtype))
 
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
         hidden = self.worker.start(requests)
         return hidden if self.drafter is None else self.drafter.keep_prefill(hidden)
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
+    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
         results = self.worker.verify(batch)
         if self.drafter is not None:
             self.drafter.keep_verified(batch, results, self.worker.runner)
@@ -113,9 +138,10 @@ class ColocatedDrafter:
         for seq_id, rows in (hidden or {}).items():
             self.pending.add(seq_id, 0, rows)
 
-    def keep_verified(self, batch: Sequence[tuple[str, DraftTree]], results: list[VerifyResult], runner) -> None:
+    def keep_verified(self, batch: Sequence[tuple[str, DraftTree]], results: list[VerifyResult | RequestFailed],
+                      runner) -> None:
         for (seq_id, _), result in zip(batch, results):
-            if result.hidden is not None:
+            if isinstance(result, VerifyResult) and result.hidden is not None:
                 root = runner.committed_length(seq_id) - len(result.accepted_nodes)
                 self.pending.add(seq_id, root, result.hidden)
                 result.hidden = None
@@ -134,10 +160,12 @@ class TargetGroup:
     Ray runs one caller's calls to one actor in submission order, and a lock here keeps calls from
     different threads in one order across all ranks. Calls to the shards must go through `submit`.
 
-    `actor_options` gives each rank's Ray options (placement passes its scheduling strategy there);
-    all ranks must land on one node, because they rendezvous on 127.0.0.1. `hidden_layers` and
-    `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads them (TargetWorker).
-    `build_drafter` (TP 1 only) puts the drafter in the shard's process, built over its decoder.
+    `actor_options` gives each rank's Ray options (placement passes its scheduling strategy there).
+    Rank 0 picks the rendezvous port on its own node; the ranks meet on 127.0.0.1 when they share
+    that node (placement packs a group on one node) and at rank 0's node address otherwise.
+    `hidden_layers` and `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads
+    them (TargetWorker). `build_drafter` (TP 1 only) puts the drafter in the shard's process, built
+    over its decoder.
     """
 
     def __init__(
@@ -149,6 +177,8 @@ class TargetGroup:
         max_len: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
+        attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
         actor_options: Sequence[dict[str, Any]] | None = None,
         ready_timeout_s: float = 600.0,
         hidden_layers: Sequence[int] = (),
@@ -167,23 +197,27 @@ class TargetGroup:
             raise ValueError(f"{world_size} ranks need {world_size} actor option dicts, got {len(options)}")
         self.world_size = world_size
         self._order = threading.Lock()
-        port, shard_class = _free_port(), ray.remote(TargetShard)
+        shard_class = ray.remote(TargetShard)
         self._shards = [
             shard_class.options(**options[rank]).remote(
-                model, rank, world_size, "127.0.0.1", port, max_sequences, max_len, dtype, device,
+                model, rank, world_size, max_sequences, max_len, dtype, device, attention_backend, cuda_graphs,
                 hidden_layers, hidden_dtype, build_drafter,
             )
             for rank in range(world_size)
         ]
-        self._wait_ready(ready_timeout_s)
+        self._join(ready_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        """Block until every shard has loaded, so a failed start raises here and not on first use."""
+    def _join(self, timeout_s: float) -> None:
+        """Rendezvous every rank at rank 0's node and block until each has loaded its slice, so a
+        failed start raises here and not on first use."""
         import ray
 
         try:
-            self.submit("ping").result(timeout_s)
-        except FutureTimeoutError:
+            nodes = ray.get([shard.node.remote() for shard in self._shards], timeout=timeout_s)
+            port = ray.get(self._shards[0].rendezvous_port.remote(), timeout=timeout_s)
+            address = "127.0.0.1" if len({node_id for node_id, _ in nodes}) == 1 else nodes[0][1]
+            self.submit("join", address, port).result(timeout_s)
+        except (TimeoutError, FutureTimeoutError):  # ray.get's GetTimeoutError is a TimeoutError
             self.shutdown()
             raise TimeoutError(
                 f"{self.world_size} target shards not ready after {timeout_s:.0f} s (an unsatisfiable "
@@ -235,9 +269,9 @@ def _default_options() -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for rank 0 to listen on during the rendezvous."""
+    """A TCP port free on every address of this node now, for rank 0 to listen on at the rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind(("", 0))
         return probe.getsockname()[1]
 
 

@@ -8,6 +8,7 @@ the small VerifyResults leave the worker. On Ray it runs inside a TargetShard (t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,18 +18,26 @@ from actors.model.timing import time_passes
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
-from speculators.verify import VerifyResult, verify
+from speculators.verify import VerifyResult, verify, verify_greedy
 
 VERIFY_SALT = 0
 
 
+@dataclass
+class RequestFailed:
+    """In place of a VerifyResult: this request's verification raised. It ends with this error; the
+    other requests of the batch keep their results."""
+
+    reason: str
+
+
 class TargetWorker:
-    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048,
+    def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048, cuda_graphs: bool = False,
                  hidden_layers: Sequence[int] = (), hidden_dtype: torch.dtype = torch.float32):
         """`hidden_layers` (a trained head's `Proposer.hidden_layers`): the hidden states that prefill
         and verification return for committed tokens, in `hidden_dtype`, from rank 0 only."""
         self.model = model
-        self.runner = ModelRunner(model, max_sequences, max_len)
+        self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
         self.hidden_layers, self.hidden_dtype = tuple(hidden_layers), hidden_dtype
 
@@ -46,7 +55,7 @@ class TargetWorker:
             if len(prompt) >= self.max_len:
                 raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
             self.runner.add(seq_id)
-            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT)
+            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
         inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none") for s, p, _ in requests]
         _, hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
@@ -60,18 +69,34 @@ class TargetWorker:
     def _sends_hidden(self) -> bool:
         return bool(self.hidden_layers) and self.model.comm.rank == 0
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult]:
-        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents) for seq_id, tree in batch]
+    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
+        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id)) for seq_id, tree in batch]
         all_logits, all_hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
         results = self._decide(batch, all_logits)
-        for (seq_id, _), result in zip(batch, results):
+        for (seq_id, _), result, rows in zip(batch, results, all_hidden):
+            if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
+                self.runner.truncate(seq_id, self.runner.committed_length(seq_id))
+                continue
             self.runner.commit(seq_id, result.accepted_nodes)
-        if self._sends_hidden:
-            for result, rows in zip(results, all_hidden):
+            if self._sends_hidden:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
         return results
 
-    def _decide(self, batch: Sequence[tuple[str, DraftTree]], all_logits: list[torch.Tensor]) -> list[VerifyResult]:
+    def _wanted(self, seq_id: str) -> str:
+        """A greedy request needs only the target's choice at each node; a sampled one its logits."""
+        return "argmax" if self._sampling[seq_id][0].greedy else "all"
+
+    def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor) -> VerifyResult | RequestFailed:
+        """One request's decision; what it raises fails that request alone, not its neighbours."""
+        try:
+            if self._wanted(seq_id) == "argmax":
+                return verify_greedy(tree, scores.tolist())
+            return verify(tree, scores, *self._sampling[seq_id])
+        except Exception as error:
+            return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
+
+    def _decide(self, batch: Sequence[tuple[str, DraftTree]],
+                all_logits: list[torch.Tensor]) -> list[VerifyResult | RequestFailed]:
         """Run the verifier on rank 0 only and give its results to every rank.
 
         Tensor-parallel ranks hold the same logits, but sampling draws random numbers (and an argmax
@@ -83,9 +108,7 @@ class TargetWorker:
         outcome: list[VerifyResult] | str | None = None
         if comm.rank == 0:
             try:
-                outcome = [
-                    verify(tree, logits, *self._sampling[seq_id]) for (seq_id, tree), logits in zip(batch, all_logits)
-                ]
+                outcome = [self._verify_one(seq_id, tree, logits) for (seq_id, tree), logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")
                 raise
@@ -99,5 +122,5 @@ class TargetWorker:
         self._sampling.pop(seq_id, None)
 
     def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
-        """The cost curve: median seconds of verification passes of these (tokens, sequences) shapes."""
-        return time_passes(self.runner, shapes, context, repeats)
+        """The cost curve: the fastest of `repeats` verification passes of each (tokens, sequences) shape."""
+        return time_passes(self.runner, shapes, context, repeats, aggregate=min)

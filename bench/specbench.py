@@ -64,7 +64,7 @@ def comma_list(choices: Iterable[str] | None = None, variants: bool = False) -> 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
-    parser.add_argument("--methods", type=comma_list(METHODS, variants=True), default=["pld", "draft"],
+    parser.add_argument("--methods", type=comma_list(METHODS, variants=True), default=["pld", "suffix"],
                         help=f"our methods, comma separated ({', '.join(METHODS)}); plain decoding 'none' always "
                              "runs. A method may carry engine settings of its own, joined by '+': "
                              "'eagle3+draft_width=4+lookahead.policy=fixed'")
@@ -323,10 +323,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, render: Callable[[dict], str] = markdown) -> None:
     """Write JSON and markdown through temporary files, so an interrupt never leaves half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), markdown(report))):
+    for path, text in ((out, json.dumps(report, indent=1)), (out.with_suffix(".md"), render(report))):
         partial = path.with_name(path.name + ".partial")
         partial.write_text(text)
         partial.replace(path)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\tspecserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.specserve.ChatMessage\"\xa6\x01\n\x08Sampling\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf0\x01\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tlookahead\x18\x02 \x01(\t\x12\'\n\x16max_speculative_tokens\x18\x03 \x01(\rB\x02\x18\x01H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x19\n\x17_max_speculative_tokensB\x17\n\x15_confidence_thresholdB\x19\n\x17_num_speculative_tokens\"\xd2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.specserve.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.specserve.ChatMessagesH\x00\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.specserve.Sampling\x12+\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x16.specserve.SpeculationB\x08\n\x06prompt\"\x8b\x01\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x03 \x01(\x02\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x02\"\x8d\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\"s\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12speculation_method\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.specserve.ModelInfo2\xe5\x01\n\tSpecServe\x12\x43\n\x08Generate\x12\x1a.specserve.GenerateRequest\x1a\x1b.specserve.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.specserve.GenerateRequest\x1a\x18.specserve.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.specserve.ListModelsRequest\x1a\x1d.specserve.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\tspecserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.specserve.ChatMessage\"\xa6\x01\n\x08Sampling\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf0\x01\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tlookahead\x18\x02 \x01(\t\x12\'\n\x16max_speculative_tokens\x18\x03 \x01(\rB\x02\x18\x01H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x19\n\x17_max_speculative_tokensB\x17\n\x15_confidence_thresholdB\x19\n\x17_num_speculative_tokens\"\xd2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.specserve.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.specserve.ChatMessagesH\x00\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.specserve.Sampling\x12+\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x16.specserve.SpeculationB\x08\n\x06prompt\"\x8b\x01\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x03 \x01(\x02\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x02\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_detail\x18\x06 \x01(\t\"\x8a\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rfinish_detail\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12speculation_method\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.specserve.ModelInfo2\xe5\x01\n\tSpecServe\x12\x43\n\x08Generate\x12\x1a.specserve.GenerateRequest\x1a\x1b.specserve.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.specserve.GenerateRequest\x1a\x18.specserve.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.specserve.ListModelsRequest\x1a\x1d.specserve.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,15 +48,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONSTATS']._serialized_start=792
   _globals['_SPECULATIONSTATS']._serialized_end=931
   _globals['_GENERATERESPONSE']._serialized_start=934
-  _globals['_GENERATERESPONSE']._serialized_end=1075
-  _globals['_GENERATECHUNK']._serialized_start=1077
-  _globals['_GENERATECHUNK']._serialized_end=1192
-  _globals['_LISTMODELSREQUEST']._serialized_start=1194
-  _globals['_LISTMODELSREQUEST']._serialized_end=1213
-  _globals['_MODELINFO']._serialized_start=1215
-  _globals['_MODELINFO']._serialized_end=1266
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1268
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1326
-  _globals['_SPECSERVE']._serialized_start=1329
-  _globals['_SPECSERVE']._serialized_end=1558
+  _globals['_GENERATERESPONSE']._serialized_end=1098
+  _globals['_GENERATECHUNK']._serialized_start=1101
+  _globals['_GENERATECHUNK']._serialized_end=1239
+  _globals['_LISTMODELSREQUEST']._serialized_start=1241
+  _globals['_LISTMODELSREQUEST']._serialized_end=1260
+  _globals['_MODELINFO']._serialized_start=1262
+  _globals['_MODELINFO']._serialized_end=1313
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1315
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1373
+  _globals['_SPECSERVE']._serialized_start=1376
+  _globals['_SPECSERVE']._serialized_end=1605
 # @@protoc_insertion_point(module_scope)

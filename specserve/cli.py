@@ -66,7 +66,9 @@ def cmd_convert_head(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, specbench
+    from bench import cluster_bench, cost_curve, fuzz, ray_overhead, soak, specbench
+    from bench.lossless import report as lossless
+    from cluster.serve import grpc_tls
     from specserve import train
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
@@ -99,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     cost_curve.add_arguments(curve)
     add_engine_arguments(curve)
     curve.set_defaults(func=cost_curve.run)
+    overhead = bench_sub.add_parser("ray-overhead", help="router -> worker round trips: actor calls and compiled graphs",
+                                    formatter_class=defaults)
+    ray_overhead.add_arguments(overhead)
+    overhead.set_defaults(func=ray_overhead.run)
+    proof = bench_sub.add_parser("lossless", help="sampled output against the exact distribution of a tiny target, "
+                                 "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
+    lossless.add_arguments(proof)
+    proof.set_defaults(func=lossless.run)
 
     convert = sub.add_parser("convert-head", formatter_class=defaults,
                              help="rewrite a head checkpoint (Medusa's public layout, EAGLE-3 in the EAGLE "
@@ -120,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_bench.add_arguments(cluster)
     add_engine_arguments(cluster)
     cluster.set_defaults(func=cluster_bench.run)
+
+    load = sub.add_parser("soak", help="streaming clients (gRPC and HTTP) against the served app, with faults",
+                          formatter_class=defaults)
+    soak.add_arguments(load)
+    load.set_defaults(func=soak.run)
+
+    fuzzing = sub.add_parser("fuzz", help="property-based fuzz of both request schemas", formatter_class=defaults)
+    fuzz.add_arguments(fuzzing)
+    fuzzing.set_defaults(func=fuzz.run)
+
+    tls = sub.add_parser("grpc-tls", help="serve the gRPC API over TLS, forwarding to Serve's plaintext gRPC proxy",
+                         formatter_class=defaults)
+    grpc_tls.add_arguments(tls)
+    tls.set_defaults(func=grpc_tls.run)
     return parser
 
 

@@ -5,9 +5,14 @@ distribution p with the distribution q the drafter actually sampled from.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+MIN_TEMPERATURE = 1e-5
+"""Below this, logits / temperature overflows to infinity and the warped distribution is NaN."""
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
@@ -29,8 +37,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, salt: int = 0) -> torch.Generator:
-        generator = torch.Generator()
+    def generator(self, salt: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A random stream for this request, on `device`: torch draws only with a generator of the
+        tensor's own device (a CUDA multinomial with a CPU generator raises), so it is made where
+        the probabilities it samples from live."""
+        generator = torch.Generator(device=device)
         if self.seed is None:
             generator.seed()
         else:
@@ -50,30 +61,27 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keep the token crossing top_p
+        drop_sorted[..., 0] = False  # and always the likeliest (a top_p below float32's range rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)
 
 
 DRAFT_SALT = 1
-"""A drafter's random stream differs from the verifier's for the same seed."""
+"""Salts of the drafters' random streams start here (the verifier's is 0)."""
 
 
-class DraftGenerators:
-    """A drafter's random stream per sampled request (None for greedy ones)."""
+def draft_generator(params: SamplingParams, length: int, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A drafter's random stream for one step of a request `length` tokens long (None when greedy).
+    Salted by the length, so a drafter restarted mid-request replays the numbers of a position and
+    never reuses one position's numbers at another."""
+    return None if params.greedy else params.generator(DRAFT_SALT + length, device)
 
-    def __init__(self):
-        self._streams: dict[str, torch.Generator] = {}
 
-    def get(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        if request_id not in self._streams:
-            self._streams[request_id] = params.generator(DRAFT_SALT)
-        return self._streams[request_id]
-
-    def drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+def tree_draft_probs(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A sampled tree's `draft_probs` from the distributions its drafted nodes were drawn from (the
+    root's row is zeros), on the CPU: the tree leaves the drafter's device."""
+    return torch.stack([torch.zeros_like(rows[0]), *rows]).cpu()
 
 
 def mapped_warp(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int,

@@ -11,6 +11,7 @@ without-replacement form).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,13 @@ def verify(
     if target_logits.shape[0] != tree.size:
         raise ValueError(f"need target logits for all {tree.size} nodes, got {target_logits.shape[0]}")
     if params.greedy:
-        return verify_greedy(tree, target_logits)
+        return verify_greedy(tree, target_logits.argmax(-1).tolist())
     return verify_sampled(tree, warp(target_logits, params), generator)
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
-    best = target_logits.argmax(-1).tolist()
+def verify_greedy(tree: DraftTree, best: Sequence[int]) -> VerifyResult:
+    """Greedy verification needs only the target's choice at each node (`best[i]`: the argmax after
+    node i), which a tensor-parallel target finds without gathering full-vocabulary rows."""
     node, path = 0, [0]
     while True:
         match = next((kid for kid in tree.children[node] if tree.token_ids[kid] == best[node]), None)
@@ -73,31 +75,46 @@ def _acceptance(p_token: float, q_token: float) -> float:
     return min(1.0, p_token / q_token)
 
 
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """The target's distribution once `token` was rejected: norm(max(p - q, 0)), where q is the
+    draft's distribution or, when None, a point mass on `token`."""
+    if q is None:
+        left = p.clone()
+        left[token] = 0
+    else:
+        left = (p - q).clamp_min(0)
+    return _normalized(left, p)
+
+
+def _without(q: torch.Tensor, token: int) -> torch.Tensor:
+    """The draft's distribution for the siblings still to try: drawn without replacement, none is `token`."""
+    left = q.clone()
+    left[token] = 0
+    return _normalized(left, q)
+
+
 def verify_sampled(
     tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> VerifyResult:
+    """`target_probs` may live on a GPU (then so must `generator`); the tree's draft probabilities
+    arrive from a draft actor on the CPU and are moved next to them one visited row at a time."""
     target_probs = target_probs.double()
+    device = target_probs.device
     node, path = 0, [0]
     while True:
         p = target_probs[node]
         kids = tree.children[node]
-        q = None if tree.draft_probs is None or not kids else tree.draft_probs[kids[0]].double()
+        q = None if tree.draft_probs is None or not kids else tree.draft_probs[kids[0]].to(device, torch.float64)
         accepted = None
         for kid in kids:
             token = tree.token_ids[kid]
             chance = _acceptance(float(p[token]), 1.0 if q is None else float(q[token]))
-            if torch.rand((), generator=generator, dtype=torch.float64).item() < chance:
+            if torch.rand((), generator=generator, dtype=torch.float64, device=device).item() < chance:
                 accepted = kid
                 break
-            if q is None:
-                residual = p.clone()
-                residual[token] = 0
-            else:
-                residual = (p - q).clamp_min(0)
-                without = q.clone()
-                without[token] = 0
-                q = _normalized(without, q)
-            p = _normalized(residual, p)
+            p = _residual(p, q, token)
+            if q is not None:
+                q = _without(q, token)
         if accepted is None:
             next_token = int(torch.multinomial(p.float(), 1, generator=generator))
             return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], next_token)

@@ -42,6 +42,15 @@ class IdTokenizer:
         return " ".join(f"t{i}" for i in ids)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_curves_in_a_temporary_folder(tmp_path_factory):
+    """Curves measured by tests (tiny models in temporary folders) stay out of the user's cache.
+    Set in the environment, so that Ray workers started by the tests inherit it."""
+    import os
+
+    os.environ["SPECSERVE_COST_CURVES"] = str(tmp_path_factory.mktemp("cost-curves"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_pair()
@@ -76,3 +85,18 @@ def tiny_heads(tiny_model, tmp_path_factory):
     from tests.speculators.heads_fixtures import trained_tiny_heads
 
     return trained_tiny_heads(tiny_model[0], tmp_path_factory.mktemp("tiny-heads"))
+
+
+@pytest.fixture(scope="session")
+def self_signed_cert(tmp_path_factory):
+    """(certfile, keyfile) of a certificate for localhost / 127.0.0.1, made with the openssl tool."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    path = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(path / "key.pem"), "-out", str(path / "cert.pem"), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return path / "cert.pem", path / "key.pem"

@@ -344,6 +344,18 @@ def test_raycluster_matches_rayservice():
 
 
 @pytest.mark.parametrize("cluster_spec", [pytest.param(spec, id=name) for name, spec in ray_cluster_specs()])
+def test_every_ray_container_gets_the_api_key_from_a_secret(cluster_spec):
+    """The GPU config reads its key from limits.api_key_env; a replica may start on any Ray pod, so
+    every container must get that variable, from a Secret (never as a literal in the manifest)."""
+    variable = yaml.load(GPU_EXAMPLE.read_text(), Loader=Loader)["applications"][0]["args"]["limits"]["api_key_env"]
+    groups = [cluster_spec["headGroupSpec"], *cluster_spec["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {item["name"]: item for item in container.get("env", [])}
+            assert "secretKeyRef" in env[variable]["valueFrom"] and "value" not in env[variable], container["name"]
+
+
+@pytest.mark.parametrize("cluster_spec", [pytest.param(spec, id=name) for name, spec in ray_cluster_specs()])
 def test_head_runs_no_models(cluster_spec):
     """The head gets no GPU and no Ray CPUs: routers and model actors go to the worker pods, and
     the autoscaler (enabled) adds those pods on demand."""

@@ -29,6 +29,9 @@ class Segment:
     start: int
     num_tokens: int
     mask: torch.Tensor | None = None
+    prefix: int = 0
+    """Leading positions every new token attends (the committed context), which the split
+    attention backend reads without a mask; 0 leaves the whole span to the mask."""
 
     @property
     def end(self) -> int:

@@ -18,22 +18,36 @@ from actors.model.config import DecoderConfig
 from actors.model.sharding import Communicator, ShardPlan
 
 
+def bind_device(device: str | torch.device) -> torch.device:
+    """The device this process computes on, made current when it is a GPU.
+
+    A shard's kernels, its NCCL communicator and any tensor created as plain "cuda" must all use the
+    shard's own GPU; without `torch.cuda.set_device` they would go to GPU 0 of what the process sees
+    (under Ray that is the shard's GPU, elsewhere maybe another rank's).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", 0 if device.index is None else device.index)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_process_group(
     rank: int,
     world_size: int,
     master_addr: str,
     master_port: int,
-    backend: str | None = None,
+    device: str | torch.device = "cpu",
     timeout_s: float = 600.0,
 ) -> None:
     """Join this process to the group of `world_size` ranks rendezvousing at master_addr:master_port.
 
-    The backend defaults to NCCL when CUDA is available and gloo otherwise. The timeout bounds how
-    long a rank waits for the others (at rendezvous and in every collective), so a rank that died
-    turns into an error on the others instead of a silent hang.
+    NCCL for ranks on GPUs, gloo for ranks on CPUs. The timeout bounds how long a rank waits for
+    the others (at rendezvous and in every collective), so a rank that died turns into an error on
+    the others instead of a silent hang.
     """
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{master_port}",
@@ -76,6 +90,11 @@ class TorchDistributedComm(Communicator):
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(pieces, padded)
         return torch.cat([piece[..., :size] for piece, size in zip(pieces, self._vocab_sizes)], dim=-1)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor.contiguous())
+        return pieces
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         holder = [obj if self.rank == src else None]

@@ -102,8 +102,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         batch.write(cache, layer, k, v)
-        keys, values = batch.read(cache, layer)
-        return self.o_proj(batch.outputs(backend.attend(batch.queries(q), keys, values, batch.mask)))
+        return self.o_proj(backend.attend(q, batch, cache, layer))
 
 
 class MLP(nn.Module):
@@ -189,6 +188,17 @@ class LlamaDecoder(nn.Module):
         """Full-vocabulary logits of final hidden states (gathered across ranks)."""
         return self.comm.all_gather_last_dim(project(hidden, self.head_weight()))
 
+    def likeliest(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each final hidden state, as `logits(hidden).argmax(-1)` gives it (the
+        first of equal maxima), with only each rank's best (value, token) gathered across ranks."""
+        local = project(hidden, self.head_weight())
+        if self.comm.world_size == 1:
+            return local.argmax(-1)
+        values, tokens = local.max(-1)
+        gathered = self.comm.all_gather(torch.stack([values.float(), (tokens + self.vocab_start).float()]))
+        values, tokens = torch.stack([g[0] for g in gathered]), torch.stack([g[1] for g in gathered])
+        return tokens.gather(0, values.argmax(0, keepdim=True))[0].long()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -223,7 +233,31 @@ class LlamaDecoder(nn.Module):
         """
         for segment in segments:
             cache.check_room(segment.end)
-        batch = PackedBatch(segments, self.device)
+        return self.run_capturing(input_ids, positions, PackedBatch(segments, self.device), cache, logit_rows,
+                                  capture)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCache,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """`forward` over a layout already built: device work only, so a CUDA graph can capture it."""
+        return self.run_capturing(input_ids, positions, batch, cache, logit_rows)[0]
+
+    @torch.inference_mode()
+    def run_capturing(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PackedBatch,
+        cache: KVCache,
+        logit_rows: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward_capturing` over a layout already built."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         last = len(self.model.layers) - 1

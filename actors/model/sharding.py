@@ -59,6 +59,10 @@ class Communicator:
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on every rank), in rank order."""
+        return [tensor]
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """`obj` as rank `src` holds it, on every rank: how one rank's decision reaches the others."""
         return obj

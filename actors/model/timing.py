@@ -2,13 +2,15 @@
 
 A pass is timed as the engine runs it: every sequence has `context` committed tokens and verifies a
 chain of new tokens; the pass packs all sequences. Random token ids: the cost does not depend on
-them. Medians of `repeats` runs, after one untimed warm-up run per shape.
+them. Every shape runs once untimed, then `repeats` rounds run each shape in turn (a burst of
+other work hits all shapes alike), and each shape is summarised by `aggregate`: the median for a
+report, the minimum for a curve measured at start (other work on the machine only adds time).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,15 +19,23 @@ from speculators.proposers.base import TreeInput
 from speculators.tree import chain_parents
 
 
+def finish_queued_work(device: torch.device) -> None:
+    """Wait for the device: GPU kernels run after the call that queued them returns, so a pass
+    timed without this would measure only its launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _split(tokens: int, sequences: int) -> list[int]:
     base, extra = divmod(tokens, sequences)
     return [base + (1 if index < extra else 0) for index in range(sequences)]
 
 
 def time_passes(
-    runner: ModelRunner, shapes: Sequence[tuple[int, int]], context: int = 256, repeats: int = 5, seed: int = 0
+    runner: ModelRunner, shapes: Sequence[tuple[int, int]], context: int = 256, repeats: int = 5,
+    aggregate: Callable[[list[float]], float] = statistics.median, seed: int = 0,
 ) -> list[float]:
-    """Median seconds of a pass of `tokens` new tokens over `sequences` sequences, per (tokens, sequences).
+    """Seconds of a pass of `tokens` new tokens over `sequences` sequences, per (tokens, sequences).
 
     Uses scratch sequences of its own, so it needs as many free cache slots as the widest shape and
     leaves the runner as it found it.
@@ -46,19 +56,19 @@ def time_passes(
         runner.forward([TreeInput(s, tokens_of(context), chain_parents(context), logits="none") for s in ids])
         for seq_id in ids:
             runner.commit(seq_id, range(context))
-        results = []
-        for tokens, sequences in shapes:
-            inputs = [TreeInput(ids[i], tokens_of(n), chain_parents(n)) for i, n in enumerate(_split(tokens, sequences))]
-            samples = []
-            for attempt in range(repeats + 1):
+        inputs = [[TreeInput(ids[i], tokens_of(n), chain_parents(n)) for i, n in enumerate(_split(tokens, sequences))]
+                  for tokens, sequences in shapes]
+        samples: list[list[float]] = [[] for _ in shapes]
+        for attempt in range(repeats + 1):
+            for shape_inputs, shape_samples in zip(inputs, samples):
                 began = time.perf_counter()
-                runner.forward(inputs)
+                runner.forward(shape_inputs)
+                finish_queued_work(runner.model.device)
                 if attempt:
-                    samples.append(time.perf_counter() - began)
-                for item in inputs:
+                    shape_samples.append(time.perf_counter() - began)
+                for item in shape_inputs:
                     runner.truncate(item.seq_id, context)
-            results.append(statistics.median(samples))
-        return results
+        return [aggregate(shape_samples) for shape_samples in samples]
     finally:
         for seq_id in ids:
             runner.remove(seq_id)

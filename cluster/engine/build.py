@@ -55,7 +55,8 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
             f"draft {config.draft!r} has {draft.config.vocab_size} tokens, the target "
             f"{target.config.vocab_size}: a draft model must share the target's tokenizer"
         )
-    return DraftModelProposer(ModelRunner(draft, config.max_sequences, config.max_len), width=config.draft_width)
+    runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs)
+    return DraftModelProposer(runner, width=config.draft_width)
 
 
 def local_engine(
@@ -66,6 +67,7 @@ def local_engine(
     eos_token_ids=(),
     cost: CostCurve | bool = False,
     cost_key: str | None = None,
+    cuda_graphs: bool = False,
 ) -> SpecEngine:
     """An engine whose target and drafter run in this process (each on its own thread).
 
@@ -73,7 +75,7 @@ def local_engine(
     (read from the cache under `cost_key` when there).
     """
     hidden = {} if proposer is None else {"hidden_layers": proposer.hidden_layers, "hidden_dtype": proposer.hidden_dtype}
-    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, **hidden), "target")
+    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, cuda_graphs, **hidden), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
     curve = None
@@ -92,7 +94,7 @@ def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerB
     tokenizer = load_tokenizer(config.model)
     target = load_model(config.model, getattr(torch, config.dtype), config.device, attention_backend=config.attention_backend)
     engine = local_engine(target, tokenizer, build_proposer(config, target), config,
-                          cost=config.step_token_budget is None, cost_key=cost_key_of(config))
+                          cost=config.step_token_budget is None, cost_key=cost_key_of(config), cuda_graphs=config.cuda_graphs)
     return engine, tokenizer
 
 

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
+from speculators.proposers import prompt_lookup as pld, suffix
 
 Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
@@ -38,6 +39,15 @@ class SchedulerConfig(BaseModel):
         0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
     gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
     gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
+    draft_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for a drafter's proposals; past it the step decodes plainly and the "
+        "drafter gets no more work until it answers")
+    target_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for a prefill or verification pass; past it the target group "
+        "counts as failed (its requests end with a retryable error) and is rebuilt")
+    rebuild_retry_s: float = Field(
+        30.0, gt=0, description="after a failed rebuild of the target, how long new requests are refused "
+        "(with a retryable error) before the next try")
 
 
 class EngineConfig(SchedulerConfig):
@@ -63,25 +73,31 @@ class EngineConfig(SchedulerConfig):
         None, description="medusa: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); null "
         "takes the head checkpoint's own")
     prompt_lookup_num_tokens: int = Field(
-        10, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
+        pld.NUM_TOKENS, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
         description="prompt lookup: most tokens copied after a match (alias pld_num_pred_tokens)")
     prompt_lookup_max_ngram_size: int = Field(
-        2, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_ngram_size", "pld_max_ngram_size"),
+        pld.MAX_NGRAM_SIZE, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_ngram_size", "pld_max_ngram_size"),
         description="prompt lookup: longest n-gram matched (alias pld_max_ngram_size)")
     prompt_lookup_max_branches: int = Field(
-        1, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
+        pld.MAX_BRANCHES, ge=1, le=16, validation_alias=AliasChoices("prompt_lookup_max_branches", "pld_max_branches"),
         description="prompt lookup: earlier matches merged into one tree (alias pld_max_branches)")
     suffix_decoding_max_tree_depth: int = Field(
-        24, ge=2, le=128, description="suffix decoding: longest substring of earlier outputs indexed")
+        suffix.MAX_DEPTH, ge=2, le=128, description="suffix decoding: longest substring of earlier outputs indexed")
     suffix_decoding_max_spec_factor: float = Field(
-        1.0, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
+        suffix.MAX_SPEC_FACTOR, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
     suffix_decoding_min_token_prob: float = Field(
-        0.1, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
+        suffix.MIN_TOKEN_PROB, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
     suffix_decoding_max_cached_tokens: int = Field(
-        65536, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
+        suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
-    attention_backend: str = Field("sdpa", description="attention kernel: sdpa")
+    cuda_graphs: bool = Field(
+        False, description="on a GPU, replay captured CUDA graphs for one-sequence passes of up to 64 new tokens "
+        "(decode, small verification and draft steps); ignored on a CPU")
+    attention_backend: Literal["sdpa", "split"] = Field(
+        "sdpa", description="attention kernel: sdpa (one masked attention over each sequence's cache) or split "
+        "(the committed prefix without a mask, through vllm_flash_attn when it imports on CUDA, merged with the "
+        "tree block's masked attention by log-sum-exp)")
 
     def layer_skip_layers(self) -> int | None:
         """N of a 'layer-skip:N' draft, else None."""

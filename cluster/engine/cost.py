@@ -1,7 +1,8 @@
 """The cost curve of a target: seconds of a verification pass by tokens in the pass and sequences.
 
-Measured once per target group at start (a few shapes, medians) and cached on disk per model,
-dtype, device, parallelism and machine, so later starts read it. The scheduler reads it as
+Measured once per target group at start (a few shapes, the fastest of several runs each: other
+work on the machine only ever adds time) and cached on disk per model, dtype, device, parallelism
+and machine, so later starts read it. The scheduler reads it as
 T(tokens, sequences) = f(tokens) + g(sequences): f from single-sequence passes, interpolated
 linearly between measured points; g, the extra cost of spreading the tokens over more sequences
 (attention over more caches, padding), from multi-sequence passes.
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 TOKEN_POINTS = (1, 2, 4, 8, 16, 32, 64)
 SEQUENCE_POINTS = (2, 4, 8, 16)
 CONTEXT = 256
-REPEATS = 5
+REPEATS = 7
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,12 @@ def shapes_for(max_sequences: int, max_len: int) -> tuple[list[tuple[int, int]],
     return shapes, max(1, min(CONTEXT, max_len - max(t for t, _ in shapes) - 1))
 
 
+def curves_folder() -> Path:
+    """Where measured curves are kept: $SPECSERVE_COST_CURVES, else the cache's cost-curves folder.
+    Delete a file there to measure that target again."""
+    return Path(os.environ.get("SPECSERVE_COST_CURVES") or cache_root() / "cost-curves")
+
+
 def cache_key(*parts: object) -> str:
     """A file name for a curve: the target and everything about this machine that changes its speed."""
     machine = (platform.processor() or platform.machine(), os.cpu_count(), torch.get_num_threads(), torch.__version__)
@@ -103,7 +110,7 @@ def cache_key(*parts: object) -> str:
 def measure(target: Worker, max_sequences: int, max_len: int, key: str | None = None,
             repeats: int = REPEATS) -> CostCurve:
     """The target's cost curve: read from the cache under `key`, else timed on the target and cached."""
-    path = None if key is None else cache_root() / "cost-curves" / f"{key}.json"
+    path = None if key is None else curves_folder() / f"{key}.json"
     if path is not None and path.exists():
         try:
             return CostCurve.from_json(json.loads(path.read_text()))

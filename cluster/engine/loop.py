@@ -32,7 +32,8 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The thread runs and its engine has a target (a failed rebuild makes health checks fail)."""
+        return self._thread.is_alive() and self.engine.healthy
 
     @property
     def load(self) -> int:
@@ -76,9 +77,9 @@ class EngineLoop:
     def _add(self, request: GenerationRequest, callback: EventCallback) -> None:
         try:
             self.engine.add(request)
-        except ValueError as error:
+        except Exception as error:
             self._count(-1)
-            callback(StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
+            _notify(callback, StepEvent(request.request_id, [], GenerationOutput.refused(request, str(error))))
             return
         self._callbacks[request.request_id] = callback
 
@@ -88,24 +89,45 @@ class EngineLoop:
         if callback:
             self._count(-1)
             if output:
-                callback(StepEvent(request_id, [], output))
+                _notify(callback, StepEvent(request_id, [], output))
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_work)
-            if not self.engine.has_work:
-                continue
-            try:
-                events = self.engine.step()
-            except Exception:  # a bug must not silently kill the loop and hang every client
-                log.exception("engine step failed")
-                events = self.engine.fail_all("internal engine error")
-            for event in events:
-                callback = self._callbacks.get(event.request_id)
-                if event.finished and self._callbacks.pop(event.request_id, None):
-                    self._count(-1)
-                if callback:
-                    callback(event)
+            try:  # nothing may end this thread but stop(): a dead loop hangs every client
+                self._turn()
+            except Exception:
+                log.exception("engine loop failed outside a step")
+                self._deliver(self.engine.fail_all("internal engine error"))
+
+    def _turn(self) -> None:
+        self._drain_inbox(block=not self.engine.has_work)
+        if not self.engine.has_work:
+            return
+        try:
+            events = self.engine.step()
+        except Exception:  # a bug must not silently kill the loop and hang every client
+            log.exception("engine step failed")
+            events = self.engine.fail_all("internal engine error")
+        self._deliver(events)
+
+    def _deliver(self, events: list[StepEvent]) -> None:
+        for event in events:
+            callback = self._callbacks.get(event.request_id)
+            if event.finished and self._callbacks.pop(event.request_id, None):
+                self._count(-1)
+            if callback and not _notify(callback, event) and self._callbacks.pop(event.request_id, None):
+                self._count(-1)  # its listener is gone: stop decoding for nobody
+                self.engine.abort(event.request_id)
+
+
+def _notify(callback: EventCallback, event: StepEvent) -> bool:
+    """Hand an event to its listener; whether that worked (a listener's error stays its own)."""
+    try:
+        callback(event)
+    except Exception:
+        log.exception("delivering an event of request %s failed", event.request_id)
+        return False
+    return True
 
 
 def least_loaded(loops: Sequence[EngineLoop]) -> EngineLoop:

@@ -10,7 +10,7 @@ likelier than its parent) while the batch's goodput (B + sum of kept probabiliti
 still grows, so a lone request drafts more where a pass of few tokens costs about one decode step,
 and a full batch drafts less or nothing once passes turn compute-bound.
 
-Lossless sampling: a tree carrying draft probabilities (sampled from a draft model) is never
+Lossless sampling: a tree carrying draft probabilities (sampled from a draft model or a head) is never
 trimmed here, because keeping a sampled node or not by its own value would change the
 distribution it was drawn from. Deterministic trees (prompt lookup, suffix, greedy drafts) are a
 function of the context alone, so any trimming keeps them lossless.

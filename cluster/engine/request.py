@@ -34,6 +34,8 @@ class GenerationOutput:
     """From admission (prefill included) to the last token."""
     error: str | None = None
     """Why the request failed (finish_reason 'error'); such errors are retryable."""
+    finish_detail: str | None = None
+    """Which limit ended a 'length' output: max_new_tokens, or the context window (max_len)."""
 
     @classmethod
     def refused(cls, request: GenerationRequest, reason: str) -> GenerationOutput:

@@ -61,6 +61,7 @@ class ActiveRequest:
     acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
+    finish_detail: str | None = None
     error: str | None = None
 
     @property
@@ -81,10 +82,12 @@ class ActiveRequest:
                 self.finish_reason = "stop"
                 break
             if len(self.output) + len(new) >= self.request.max_new_tokens:
-                self.finish_reason = "length"
+                self.finish_reason, self.finish_detail = "length", f"max_new_tokens ({self.request.max_new_tokens}) reached"
                 break
         if self.finish_reason is None and len(self.tokens) + len(new) >= max_len:
             self.finish_reason = "length"
+            self.finish_detail = (f"the context window of {max_len} tokens is full ({len(self.request.prompt_ids)} "
+                                  f"prompt tokens + {len(self.output) + len(new)} new) before max_new_tokens")
         before = len(self.output)
         self.output.extend(new)
         self.tokens.extend(new)
@@ -101,4 +104,4 @@ class ActiveRequest:
     def final_output(self) -> GenerationOutput:
         seconds = time.perf_counter() - self.started
         return GenerationOutput(self.request_id, self.output, self.text.text(), self.finish_reason,
-                                self.stats, seconds, self.error)
+                                self.stats, seconds, self.error, self.finish_detail)

@@ -7,8 +7,9 @@ into two micro-batches bound to their own drafter: while the target verifies one
 drafted, so a step costs about max(draft, verify) instead of their sum.
 
 Workers are reached through `submit(method, *args) -> Future` (actors/worker.py), so the same
-code drives in-process workers and Ray actors. A drafter that fails costs its micro-batch one plain
-step; a target that fails ends the requests it held with a retryable error and is rebuilt.
+code drives in-process workers and Ray actors. A drafter that fails, hangs or returns a bad tree
+costs one plain step; a request whose verification raises fails alone; a target that fails or hangs
+ends the requests it held with a retryable error and is rebuilt.
 
 Other jobs live beside this module: what a request drafts (drafting.py), how one request's output
 grows and ends (sequence.py, text.py) and what is counted (stats.py).
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from actors.target_worker import RequestFailed
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.cost import CostCurve
@@ -30,8 +32,10 @@ from cluster.engine.drafting import SentTokens, draft_requests
 from cluster.engine.planner import Planned, Planner, path_probabilities
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
+from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
 from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
+from cluster.engine.tree_check import tree_problem
 from speculators.hidden import PendingHidden
 from speculators.lookahead import make_policy
 from speculators.tree import DraftTree
@@ -40,6 +44,7 @@ from speculators.verify import VerifyResult
 log = logging.getLogger(__name__)
 
 TARGET_FAILED = "the target worker group failed while decoding this request; retry it"
+TARGET_UNAVAILABLE = "the target worker group is down and could not be rebuilt yet; retry later"
 
 
 @dataclass
@@ -97,6 +102,10 @@ class SpecEngine:
         self._next_group = 0
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
+        self._stalled = StalledWorkers()
+        self.unavailable: str | None = None
+        """Why the target is down (its rebuild failed); None while it serves."""
+        self._next_rebuild = 0.0
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -143,16 +152,20 @@ class SpecEngine:
     def _num_groups(self) -> int:
         return 2 if self.config.pipeline else 1
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[StepEvent]:
         admitted = []
         while self.waiting and len(self.active) + len(admitted) < self.config.max_sequences:
             admitted.append(self.waiting.popleft())
         if not admitted:
-            return
+            return []
         now = time.perf_counter()
         # no wait: the worker runs calls in order, so the prefill lands before the next verify
-        start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
-        self._pending_starts.append((start, [r.request_id for r in admitted]))
+        try:
+            start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+        except Exception as error:  # a dead target: the requests become active below, then fail with it
+            start, refused = None, error
+        else:
+            self._pending_starts.append((start, [r.request_id for r in admitted]))
         for request in admitted:
             sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
             gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
@@ -161,6 +174,7 @@ class SpecEngine:
                                   list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             self.active[request.request_id] = state
+        return [] if start is not None else self._target_failed(refused)
 
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
@@ -172,8 +186,12 @@ class SpecEngine:
         requests = draft_requests(states, self.config, depth_cap)
         if not requests:
             return None
+        count = len(self.drafters)
+        index = next((i for i in ((group + k) % count for k in range(count))
+                      if not self._stalled.is_stalled(self.drafters[i])), None)
+        if index is None:  # every drafter is stuck in an earlier call: decode plainly
+            return None
         requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
-        index = group % len(self.drafters)
         future = self.drafters[index].submit("propose", self._sent[index].outgoing(requests))
         return _PendingDraft(future, index, [r.request_id for r in requests], time.perf_counter())
 
@@ -182,9 +200,13 @@ class SpecEngine:
             return {}
         began = time.perf_counter()
         try:
-            reply = pending.future.result()
-        except Exception as error:  # a dead or restarting draft actor: decode plainly this step
+            reply = result_within(pending.future, self.config.draft_timeout_s, "the drafter")
+            if len(reply.trees) != len(pending.request_ids):
+                raise ValueError(f"{len(reply.trees)} trees for {len(pending.request_ids)} requests")
+        except Exception as error:  # a dead, hung or restarting draft actor: decode plainly this step
             self._sent[pending.drafter].forget()
+            if isinstance(error, WorkerTimeout):
+                self._stalled.add(self.drafters[pending.drafter], pending.future)
             self.counters.draft_failures += 1
             log.warning("drafter failed (%s); %d requests decode without speculation this step",
                         error, len(pending.request_ids))
@@ -198,11 +220,24 @@ class SpecEngine:
         for request_id in pending.request_ids:
             if request_id in self.active:
                 self.active[request_id].stats.draft_seconds += share
-        depth = max((tree.max_depth for tree in trees), default=0)
+        usable = {request_id: tree for request_id, tree in zip(pending.request_ids, trees) if self._usable(request_id, tree)}
+        depth = max((tree.max_depth for tree in usable.values()), default=0)
         if depth:
             per_depth = (done - pending.submitted) / depth
             self._draft_seconds_per_depth += 0.2 * (per_depth - self._draft_seconds_per_depth)
-        return dict(zip(pending.request_ids, trees))
+        return usable
+
+    def _usable(self, request_id: str, tree: object) -> bool:
+        """Whether a drafted tree may be verified; a bad one costs only its request's proposals."""
+        state = self.active.get(request_id)
+        if state is None:
+            return False
+        problem = tree_problem(tree, state.tokens, self.vocab_size, self.config.max_tree_nodes, self.config.max_len)
+        if problem:
+            self.counters.bad_trees += 1
+            log.warning("drafter returned a bad tree for %s (%s); it decodes without speculation this step",
+                        request_id, problem)
+        return problem is None
 
     def _plan(self, states: list[ActiveRequest], trees: list[DraftTree]) -> list[DraftTree]:
         """Trees cut to what pays this step (all of them verified as drafted without a planner)."""
@@ -217,11 +252,14 @@ class SpecEngine:
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
         events = []
-        for future, request_ids in self._pending_starts:
+        for future, request_ids in list(self._pending_starts):
             try:
-                for request_id, rows in (future.result() or {}).items():
+                prefilled = result_within(future, self.config.target_timeout_s, "the target's prefill")
+                for request_id, rows in (prefilled or {}).items():
                     self._hidden.add(request_id, 0, rows)
             except Exception as error:
+                if not isinstance(error, ValueError):  # dead or hung, not a refusal: every request goes with it
+                    return events + self._target_failed(error)
                 log.error("prefill failed: %s", error)
                 for request_id in request_ids:
                     state = self.active[request_id]
@@ -232,8 +270,9 @@ class SpecEngine:
 
     def step(self) -> list[StepEvent]:
         """Verify one micro-batch (all active requests when pipelining is off)."""
-        self._admit()
-        failed = self._check_starts()
+        if self.unavailable is not None and not self._rebuilt():
+            return self._refuse_waiting()
+        failed = self._admit() + self._check_starts()
         if failed or not self.active:
             return failed
         group = self._next_group
@@ -254,7 +293,7 @@ class SpecEngine:
                 if drafted:
                     self._pending_drafts[other] = drafted
         try:
-            results = verify.result()
+            results = result_within(verify, self.config.target_timeout_s, "the target's verification")
         except Exception as error:
             return self._target_failed(error)
         seconds = time.perf_counter() - began
@@ -262,10 +301,15 @@ class SpecEngine:
         self.counters.verify_seconds += seconds
         return [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
 
-    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult, verify_seconds: float) -> StepEvent:
+    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed,
+               verify_seconds: float) -> StepEvent:
         state.stats.verify_seconds += verify_seconds
+        if isinstance(result, RequestFailed):  # this request alone; its neighbours keep their output
+            state.fail(result.reason)
+            return self._finished_event(state)
+        self.counters.request_passes += 1
         accepted = len(result.accepted_tokens)
-        state.stats.record(tree.max_depth, tree.num_drafted, accepted)
+        state.stats.record(tree.depths[1:], accepted)
         state.policy.observe(tree.max_depth, accepted)
         state.gate.observe(tree.max_depth, accepted)
         if self.planner is not None and tree.num_drafted:
@@ -287,8 +331,35 @@ class SpecEngine:
         # a group about to be rebuilt is not told anything; one that stays must free the slots
         events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
         if self.rebuild_target is not None:
-            self.target = self.rebuild_target()
+            self.unavailable = f"{type(error).__name__}: {error}"
+            self._rebuilt()
         return events
+
+    def _rebuilt(self) -> bool:
+        """Try to rebuild a failed target (at most once per rebuild_retry_s); whether it now serves."""
+        if time.monotonic() < self._next_rebuild:
+            return False
+        try:
+            self.target = self.rebuild_target()
+        except Exception as error:
+            log.error("rebuilding the target failed: %s; retrying in %g s", error, self.config.rebuild_retry_s)
+            self.unavailable = f"rebuild failed: {type(error).__name__}: {error}"
+            self._next_rebuild = time.monotonic() + self.config.rebuild_retry_s
+            return False
+        self.unavailable = None
+        return True
+
+    def _refuse_waiting(self) -> list[StepEvent]:
+        """While the target is down, waiting requests end at once with a retryable error."""
+        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, f"{TARGET_UNAVAILABLE} ({self.unavailable})"))
+                   for r in self.waiting]
+        self.waiting.clear()
+        return refused
+
+    @property
+    def healthy(self) -> bool:
+        """False while the target is down (a replica's health check then fails and Serve restarts it)."""
+        return self.unavailable is None
 
     def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
         """End every active request with a retryable error (waiting requests stay queued)."""
@@ -312,10 +383,10 @@ class SpecEngine:
         self.active.pop(state.request_id)
         self._hidden.drop(state.request_id)
         if notify_target:
-            self.target.submit("finish", state.request_id)
+            _tell(self.target, "finish", state.request_id)
         completed = [state.output] if state.finish_reason in ("stop", "length") and state.output else []
         for drafter, sent in zip(self.drafters, self._sent):
-            drafter.submit("release", [state.request_id], completed)
+            _tell(drafter, "release", [state.request_id], completed)
             sent.forget([state.request_id])
         return state.final_output()
 
@@ -331,3 +402,12 @@ class SpecEngine:
                 if event.finished:
                     done[event.request_id] = event.finished
         return [done[request_id] for request_id in order]
+
+
+def _tell(worker: Worker, method: str, *args) -> None:
+    """A call whose answer nobody waits for; a dead worker must not stop the request from ending."""
+    try:
+        worker.submit(method, *args)
+    except Exception as error:
+        log.warning("could not send %s to a worker: %s", method, error)
+

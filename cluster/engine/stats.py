@@ -1,6 +1,7 @@
 """What the engine counts: per request (returned with its output) and per engine (sampled by metrics)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -16,21 +17,23 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    """accepted_per_position[d]: steps in which the token at depth d + 1 was accepted."""
+    """accepted_per_position[d]: accepted drafted tokens at depth d + 1 (at most one per step)."""
     drafted_per_position: list[int] = field(default_factory=list)
+    """drafted_per_position[d]: drafted tokens at depth d + 1 (a tree may hold several per depth)."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     queue_seconds: float = 0.0
     time_to_first_token: float | None = None
 
-    def record(self, drafted_depth: int, drafted_nodes: int, accepted: int) -> None:
+    def record(self, drafted_depths: Sequence[int], accepted: int) -> None:
+        """One verification pass: the depth of every drafted node (root excluded) and how many were accepted."""
         self.target_forwards += 1
-        self.drafted += drafted_nodes
+        self.drafted += len(drafted_depths)
         self.accepted += accepted
-        for counts, upto in ((self.drafted_per_position, drafted_depth), (self.accepted_per_position, accepted)):
-            counts.extend([0] * (upto - len(counts)))
-            for depth in range(upto):
-                counts[depth] += 1
+        for counts, depths in ((self.drafted_per_position, drafted_depths), (self.accepted_per_position, range(1, accepted + 1))):
+            for depth in depths:
+                counts.extend([0] * (depth - len(counts)))
+                counts[depth - 1] += 1
 
     def mean_accepted_tokens(self, new_tokens: int) -> float:
         return mean_accepted_tokens(new_tokens, self.target_forwards)
@@ -44,5 +47,10 @@ class EngineCounters:
     verify_seconds: float = 0.0
     draft_wait_seconds: float = 0.0
     draft_failures: int = 0
+    bad_trees: int = 0
+    """Drafted trees dropped before verification (wrong root, tokens outside the vocabulary, ...)."""
     target_failures: int = 0
     tokens: int = 0
+    request_passes: int = 0
+    """Verification passes summed over requests (a step of 8 requests counts 8): tokens / request_passes
+    is each request's mean accepted tokens per pass, which is what speculation buys it."""

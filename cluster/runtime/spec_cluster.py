@@ -101,7 +101,8 @@ class SpecCluster:
         layers, dtype = self._hidden_spec
         return TargetGroup(
             config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
-            max_len=config.max_len, dtype=config.dtype, device=config.device, actor_options=options,
+            max_len=config.max_len, dtype=config.dtype, device=config.device,
+            attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
             hidden_layers=layers, hidden_dtype=dtype,
             build_drafter=functools.partial(_build_with_target, config) if colocated else None,
         )

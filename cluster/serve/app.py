@@ -16,20 +16,23 @@ import logging
 import grpc
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
-from cluster.serve.grpc_api import WorkerFailed, metadata_value, options_from, response_message, stats_message, status_of
+from cluster.serve.grpc_api import (
+    WorkerFailed, checked, metadata_value, options_from, response_message, stats_message, status_of,
+)
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
-from cluster.serve.openai_api import build_openai_router
+from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
 log = logging.getLogger(__name__)
+RETRYABLE_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 GRPC_SERVICERS = [
-    "protos.specserve_pb2_grpc.add_SpecServeServicer_to_server",
+    "cluster.serve.grpc_api.add_SpecServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
@@ -42,6 +45,17 @@ class AppArgs(BaseModel):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="what each replica runs and where")
     limits: ServiceLimits = Field(default_factory=ServiceLimits, description="request limits and the API key")
     model_id: str | None = Field(None, description="name clients use for the model (default: the engine's model)")
+
+    @model_validator(mode="after")
+    def _requests_fit_the_context_window(self) -> AppArgs:
+        """Checked when the app starts: otherwise the longest allowed prompt asking for the most
+        tokens would be cut short by the context window, not by the limit the client was told."""
+        limits, max_len = self.limits, self.cluster.engine.max_len
+        if limits.max_prompt_tokens + limits.max_new_tokens > max_len:
+            raise ValueError(
+                f"limits.max_prompt_tokens ({limits.max_prompt_tokens}) + limits.max_new_tokens "
+                f"({limits.max_new_tokens}) must be <= cluster.engine.max_len ({max_len})")
+        return self
 
 
 def current_service() -> SpecService:
@@ -84,6 +98,11 @@ class SpecServer:
             "in_flight": self.service.in_flight,
         }
 
+    def cost_curves(self) -> list[list[dict] | None]:
+        """Each target group's measured verification cost curve (None: the planner is off), for
+        operators: `serve.get_deployment_handle("SpecServer", app).cost_curves.remote()`."""
+        return [None if loop.engine.planner is None else loop.engine.planner.cost.to_json() for loop in self.cluster.loops]
+
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loops died."""
         dead = [loop for loop in self.cluster.loops if not loop.alive]
@@ -99,7 +118,7 @@ class SpecServer:
 
     def _request(self, message: pb.GenerateRequest, grpc_context):
         self.service.authorize(metadata_value(grpc_context, "authorization"))
-        return self.service.build_request(options_from(message))
+        return self.service.build_request(options_from(checked(message)))
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:
@@ -109,6 +128,8 @@ class SpecServer:
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(str(error))
+            if code in RETRYABLE_CODES:  # the hint HTTP gives in Retry-After
+                grpc_context.set_trailing_metadata([("retry-after", RETRY_AFTER_S)])
 
     async def Generate(self, message: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
@@ -131,7 +152,7 @@ class SpecServer:
                     raise WorkerFailed(finished.error or "generation failed; retry")
                 chunk = pb.GenerateChunk(token_ids=event.new_token_ids, text=event.text)
                 if finished:
-                    chunk.finish_reason = finished.finish_reason
+                    chunk.finish_reason, chunk.finish_detail = finished.finish_reason, finished.finish_detail or ""
                     chunk.stats.CopyFrom(stats_message(finished.stats, len(finished.token_ids)))
                 yield chunk
         except Exception as error:

@@ -1,14 +1,16 @@
 """A speculation-aware Ray Serve autoscaling policy.
 
 Plain `autoscaling_config` scales on ongoing requests per replica. With speculative decoding a
-replica's capacity is not fixed: a replica whose verification passes yield E tokens each serves
-each of its requests about E times as fast as plain decoding (verification of a small tree costs
-about one decode step on a GPU), so it carries about E times the concurrent requests at the same
-per-request token rate. This policy divides the load by that effective capacity, and adds a
-replica at once while any request waits in a replica's own queue (the engine's KV slots are full).
+replica's capacity is not fixed: a replica whose requests gain E tokens per verification pass each
+serves each of its requests about E times as fast as plain decoding (verification of a small tree
+costs about one decode step on a GPU), so it carries about E times the concurrent requests at the
+same per-request token rate. This policy divides the load by that effective capacity, and adds a
+replica at once when a request has waited for a KV slot longer than `max_queue_wait_s`: a queue is
+normal (a replica may hold more requests than it has KV slots), a long wait is not.
 
-Replicas report, through `record_autoscaling_stats`: `ongoing` (requests held), `queued` (waiting
-for a KV slot) and `tokens_per_step` (new tokens per verification pass over the last interval).
+Replicas report, through `record_autoscaling_stats`: `ongoing` (requests held, waiting ones
+included), `queued` (waiting for a KV slot), `queue_wait_s` (how long the oldest of those has
+waited) and `tokens_per_step` (new tokens per request per verification pass over the last interval).
 """
 from __future__ import annotations
 
@@ -16,39 +18,43 @@ import math
 from typing import Any
 
 DEFAULT_TARGET_ONGOING = 8.0
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 
 
 def desired_replicas(
     ongoing: dict[Any, float],
-    queued: dict[Any, float],
+    queue_wait_s: dict[Any, float],
     tokens_per_step: dict[Any, float],
     current: int,
     target_ongoing: float,
     max_speedup: float = 4.0,
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
 ) -> int:
     """The replica count for the reported load; pure, so it is tested without Ray."""
-    load = sum(ongoing.values()) + sum(queued.values())
+    load = sum(ongoing.values())
     speedups = [min(max(value, 1.0), max_speedup) for value in tokens_per_step.values()]
     speedup = sum(speedups) / len(speedups) if speedups else 1.0
     wanted = math.ceil(load / (target_ongoing * speedup)) if load else 0
-    if any(value > 0 for value in queued.values()):
+    if any(wait > max_queue_wait_s for wait in queue_wait_s.values()):
         wanted = max(wanted, current + 1)
     return wanted
 
 
 class SpeculationAwarePolicy:
     """Ray Serve custom policy: `autoscaling_config.policy.policy_function` names this class and
-    `policy_kwargs` sets `target_ongoing_requests` (per replica, as for plain decoding) and
-    `max_speedup` (a cap on the credit given to speculation)."""
+    `policy_kwargs` sets `target_ongoing_requests` (per replica, as for plain decoding),
+    `max_speedup` (a cap on the credit given to speculation) and `max_queue_wait_s`."""
 
-    def __init__(self, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING, max_speedup: float = 4.0):
+    def __init__(self, target_ongoing_requests: float = DEFAULT_TARGET_ONGOING, max_speedup: float = 4.0,
+                 max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S):
         self.target_ongoing_requests, self.max_speedup = target_ongoing_requests, max_speedup
+        self.max_queue_wait_s = max_queue_wait_s
 
     def __call__(self, ctx) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics or {}
         wanted = desired_replicas(
-            metrics.get("ongoing", {}), metrics.get("queued", {}), metrics.get("tokens_per_step", {}),
-            ctx.current_num_replicas, self.target_ongoing_requests, self.max_speedup,
+            metrics.get("ongoing", {}), metrics.get("queue_wait_s", {}), metrics.get("tokens_per_step", {}),
+            ctx.current_num_replicas, self.target_ongoing_requests, self.max_speedup, self.max_queue_wait_s,
         )
         bounded = min(max(wanted, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas)
         return bounded, ctx.policy_state

@@ -1,12 +1,56 @@
 """Conversions between the gRPC messages of protos/specserve.proto and the service's types."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
+from google.protobuf.message import DecodeError
 
 from cluster.engine.request import GenerationOutput
 from cluster.engine.stats import RequestStats
 from cluster.serve.service import InvalidRequest, Overloaded, RequestOptions, SpecService, Unauthorized
 from protos import specserve_pb2 as pb
+
+@dataclass
+class UndecodableRequest:
+    """Handed to a method in place of a request whose bytes do not parse (invalid UTF-8 in a string
+    field, a corrupt wire format): the method answers INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+
+    reason: str
+
+
+def parse_or_explain(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return UndecodableRequest(str(error))
+
+    return parse
+
+
+def add_SpecServeServicer_to_server(servicer, server) -> None:  # noqa: N802 (the name gRPC servicer functions have)
+    """What protos/specserve_pb2_grpc's function of this name does, except that requests that do not
+    parse reach the servicer as UndecodableRequest. Serve's gRPC proxy keeps these deserializers."""
+    service = pb.DESCRIPTOR.services_by_name["SpecServe"]
+    handlers = {}
+    for method in service.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=parse_or_explain(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def checked(message) -> pb.GenerateRequest:
+    """The request, or InvalidRequest when its bytes did not parse."""
+    if isinstance(message, UndecodableRequest):
+        raise InvalidRequest("request", f"is not a valid specserve.GenerateRequest ({message.reason})")
+    return message
+
 
 class WorkerFailed(RuntimeError):
     """A worker failed while decoding the request; the client may retry (UNAVAILABLE)."""
@@ -61,6 +105,7 @@ def response_message(output: GenerationOutput, prompt_tokens: int) -> pb.Generat
     return pb.GenerateResponse(
         text=output.text, token_ids=output.token_ids, finish_reason=output.finish_reason,
         stats=stats_message(output.stats, len(output.token_ids)), prompt_tokens=prompt_tokens,
+        finish_detail=output.finish_detail or "",
     )
 
 

@@ -4,9 +4,14 @@ Per request: counts, tokens, time to first token, inter-token latency, drafted a
 tokens and acceptance by draft position. Per replica, sampled every `SAMPLE_PERIOD_S`: queue
 depth, active requests, mean accepted tokens and the mean draft-wait and verify time of a step
 over the last period. The same sample feeds the autoscaling policy.
+
+Mean accepted tokens is counted per request: a pass that verifies 8 requests and gains one token for
+each is 1 token per pass (plain decoding), not 8. Samples are taken by the replica's event loop and
+by Serve's autoscaling thread, so a lock keeps each period's differences whole.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -28,11 +33,14 @@ NAMES = {
     "specserve_accepted_tokens": "drafted tokens the target accepted",
     "specserve_accepted_by_position": "accepted drafted tokens by depth in the tree",
     "specserve_drafted_by_position": "drafted tokens by depth in the tree",
-    "specserve_mean_accepted_tokens": "new tokens per verification pass over the last period",
+    "specserve_mean_accepted_tokens": "new tokens per request per verification pass over the last period",
     "specserve_draft_step_seconds": "mean time a step waited for its drafts over the last period",
     "specserve_verify_step_seconds": "mean time of a verification pass over the last period",
     "specserve_queue_depth": "requests waiting for a KV cache slot",
     "specserve_active_requests": "requests being decoded",
+    "specserve_drafter_failures": "draft calls that failed or timed out (kind=call) and drafted trees dropped as malformed "
+                                  "(kind=bad_tree); each costs its requests one plain step",
+    "specserve_target_failures": "target worker groups that failed (their requests ended with a retryable error)",
 }
 
 
@@ -52,9 +60,11 @@ class ServingMetrics:
         self.verify_step = Gauge("specserve_verify_step_seconds", d["specserve_verify_step_seconds"])
         self.queue_depth = Gauge("specserve_queue_depth", d["specserve_queue_depth"])
         self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
+        self.drafter_failures = Counter("specserve_drafter_failures", d["specserve_drafter_failures"], tag_keys=("kind",))
+        self.target_failures = Counter("specserve_target_failures", d["specserve_target_failures"])
         self._last = EngineCounters()
-        self._last_time = time.monotonic()
-        self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "tokens_per_step": 1.0}
+        self._lock = threading.Lock()
+        self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "queue_wait_s": 0.0, "tokens_per_step": 1.0}
 
     def chunk(self, tokens: int, seconds_since_last: float) -> None:
         if tokens:
@@ -79,14 +89,28 @@ class ServingMetrics:
 
     def sample(self, loops: Sequence[EngineLoop]) -> dict[str, float]:
         """Update the per-replica gauges; returns the autoscaling stats of the last period."""
+        with self._lock:
+            return self._sample(loops)
+
+    def _sample(self, loops: Sequence[EngineLoop]) -> dict[str, float]:
         engines = [loop.engine for loop in loops]
         now = EngineCounters(
             steps=sum(e.counters.steps for e in engines), tokens=sum(e.counters.tokens for e in engines),
+            request_passes=sum(e.counters.request_passes for e in engines),
             verify_seconds=sum(e.counters.verify_seconds for e in engines),
             draft_wait_seconds=sum(e.counters.draft_wait_seconds for e in engines),
+            draft_failures=sum(e.counters.draft_failures for e in engines),
+            bad_trees=sum(e.counters.bad_trees for e in engines),
+            target_failures=sum(e.counters.target_failures for e in engines),
         )
+        for counter, tags, change in ((self.drafter_failures, {"kind": "call"}, now.draft_failures - self._last.draft_failures),
+                                      (self.drafter_failures, {"kind": "bad_tree"}, now.bad_trees - self._last.bad_trees),
+                                      (self.target_failures, None, now.target_failures - self._last.target_failures)):
+            if change > 0:
+                counter.inc(change, tags=tags)
         steps = now.steps - self._last.steps
-        tokens_per_step = (now.tokens - self._last.tokens) / steps if steps else self.latest["tokens_per_step"]
+        passes = now.request_passes - self._last.request_passes
+        tokens_per_step = (now.tokens - self._last.tokens) / passes if passes else self.latest["tokens_per_step"]
         if steps:
             self.mean_accepted.set(tokens_per_step)
             self.verify_step.set((now.verify_seconds - self._last.verify_seconds) / steps)
@@ -96,5 +120,16 @@ class ServingMetrics:
         self.queue_depth.set(queued)
         self.active.set(ongoing - queued)
         self._last = now
-        self.latest = {"ongoing": float(ongoing), "queued": float(queued), "tokens_per_step": float(tokens_per_step)}
+        self.latest = {"ongoing": float(ongoing), "queued": float(queued),
+                       "queue_wait_s": max((_longest_wait(e) for e in engines), default=0.0),
+                       "tokens_per_step": float(tokens_per_step)}
         return self.latest
+
+
+def _longest_wait(engine) -> float:
+    """Seconds the oldest request waiting for a KV slot has waited (read from another thread: one
+    indexing of the deque, which the GIL keeps whole)."""
+    try:
+        return time.perf_counter() - engine.waiting[0].arrival_time
+    except IndexError:
+        return 0.0

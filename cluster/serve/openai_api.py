@@ -165,7 +165,8 @@ async def _sse_events(shape: ResponseShape, call: Call, first: StepEvent,
     else:
         if event.text:
             yield sse(shape.chunk(event.text))
-        yield sse(shape.chunk(finish_reason=output.finish_reason) | {"speculation": speculation_stats(output)})
+        final = shape.chunk(finish_reason=output.finish_reason, finish_detail=output.finish_detail)
+        yield sse(final | {"speculation": speculation_stats(output)})
         if call.include_usage:
             yield sse(shape.usage_chunk(output, len(call.request.prompt_ids)))
     yield sse("[DONE]")

@@ -70,10 +70,14 @@ def _json_object(raw: bytes) -> dict:
     """The body as a dict; 400 rather than FastAPI's 422, since OpenAI clients expect 400."""
     try:
         body = json.loads(raw)
-    except ValueError as error:  # JSONDecodeError and undecodable bytes
+    except ValueError as error:  # JSONDecodeError and undecodable bytes (invalid UTF-8)
         raise InvalidRequest("body", f"is not valid JSON ({error})") from None
+    except RecursionError:
+        raise InvalidRequest("body", "is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise InvalidRequest("model", "must be a string")
     return body
 
 
@@ -82,7 +86,7 @@ def _check_fields(body: dict, accepted: set[str]) -> None:
         if name in accepted or name in IGNORED_FIELDS:
             continue
         if name not in NEUTRAL_ONLY:
-            raise InvalidRequest(name, "is not a recognised request argument")
+            raise InvalidRequest(name or '""', "is not a recognised request argument")
         if value not in NEUTRAL_ONLY[name]:
             allowed = " or ".join(json.dumps(v) for v in NEUTRAL_ONLY[name])
             raise InvalidRequest(name, f"is not supported by this server; send {allowed}")
@@ -189,17 +193,20 @@ class ResponseShape:
             choice = {"index": 0, "message": {"role": "assistant", "content": output.text}}
         else:
             choice = {"index": 0, "text": output.text}
-        choice |= {"finish_reason": output.finish_reason, "logprobs": None}
+        choice |= {"finish_reason": output.finish_reason, "finish_detail": output.finish_detail, "logprobs": None}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return body | {"usage": _usage(output, prompt_tokens), "speculation": speculation_stats(output)}
 
-    def chunk(self, text: str = "", finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str = "", finish_reason: str | None = None, role: bool = False,
+              finish_detail: str | None = None) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
         choice |= {"finish_reason": finish_reason, "logprobs": None}
+        if finish_detail:
+            choice["finish_detail"] = finish_detail
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, output: GenerationOutput, prompt_tokens: int) -> dict:

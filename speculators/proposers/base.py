@@ -77,7 +77,9 @@ class TreeInput:
     seq_id: str
     token_ids: Sequence[int]
     parents: Sequence[int]
-    logits: Literal["all", "last", "none"] = "all"
+    logits: Literal["all", "last", "none", "argmax"] = "all"
+    """Which new tokens' next-token logits to return; "argmax": only the likeliest token id of each
+    (greedy verification), found without gathering a tensor-parallel model's full rows."""
 
 
 class TreeModel(Protocol):

@@ -8,6 +8,11 @@ accepted), then drafts depth by depth, all requests in one batched forward per d
 sampled next token. The confidence rule ends a branch at a token whose draft probability is under
 the request's threshold; the token itself stays, so the rule never depends on a sample it drops,
 which keeps sampled output lossless.
+
+On a GPU the draft's logits stay on the device: every branch's next tokens and their draft
+probabilities are chosen there, and one transfer per depth (for the whole batch) brings the chosen
+token ids to the host, which needs them to lay out the next depth's tree. The tree's draft
+probabilities cross to the CPU once, when the tree is handed back (it goes to another actor).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
-from speculators.sampling import DraftGenerators, warp
+from speculators.sampling import draft_generator, tree_draft_probs, warp
 from speculators.tree import DraftTree, chain_parents
 
 
@@ -25,6 +30,16 @@ from speculators.tree import DraftTree, chain_parents
 class _Branch:
     node: int  # tree index of the branch tip
     logits: torch.Tensor  # the draft's next-token logits after the tip
+
+
+@dataclass
+class _Choice:
+    """The next tokens of one branch, chosen on the logits' device (no host sync yet)."""
+
+    branch: _Branch
+    tokens: torch.Tensor  # [count] token ids
+    confidence: torch.Tensor  # [count] the draft's probability of each (q when sampled, else softmax)
+    q: torch.Tensor | None  # the warped distribution they were sampled from (sampled requests)
 
 
 @dataclass
@@ -38,6 +53,8 @@ class _Draft:
     scratch_of: dict[int, int] = field(default_factory=lambda: {0: -1})
     """Tree node -> its index in the draft model's scratch (TreeInput parents), for the nodes the
     draft has run. The root is already committed in the draft model, which TreeInput calls -1."""
+    generator: torch.Generator | None = None
+    """This step's random stream (sampled requests)."""
 
     def run(self, nodes: list[int], scratch_start: int) -> TreeInput:
         """The input that runs `nodes` (children of nodes already run) after `scratch_start` scratch tokens."""
@@ -55,7 +72,6 @@ class DraftModelProposer(Proposer):
         if width < 1:
             raise ValueError("width must be >= 1")
         self.model, self.width = model, width
-        self._generators = DraftGenerators()
         self._last_drafts: dict[str, tuple[DraftTree, dict[int, int]]] = {}
         """request id -> its last tree and that tree's scratch_of, to keep the accepted path's K/V."""
 
@@ -79,16 +95,19 @@ class DraftModelProposer(Proposer):
         root_logits = self._catch_up(requests)
         drafts = []
         for request, logits in zip(requests, root_logits):
-            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0])
+            generator = draft_generator(request.sampling, len(request.token_ids), logits.device)
+            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0], generator=generator)
             if request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.open_branches = [_Branch(0, logits)]
             drafts.append(draft)
         depth = 0
         while any(d.open_branches for d in drafts):
             depth += 1
+            choices = [self._choose(draft) for draft in drafts]
+            chosen = _to_host([c for per_draft in choices for c in per_draft])
             inputs = []
-            for draft in drafts:
-                new_nodes = self._grow(draft, depth)
+            for draft, per_draft in zip(drafts, choices):
+                new_nodes = self._grow(draft, depth, [next(chosen) for _ in per_draft])
                 if new_nodes:
                     inputs.append((draft, new_nodes))
             if not inputs:
@@ -105,33 +124,41 @@ class DraftModelProposer(Proposer):
             self._last_drafts[draft.request.request_id] = (tree, draft.scratch_of)
         return trees
 
-    def _grow(self, draft: _Draft, depth: int) -> list[int]:
-        """Add the next token of every open branch (the root opens `width` branches)."""
+    def _choose(self, draft: _Draft) -> list[_Choice]:
+        """The next tokens of every open branch, on the logits' device (the root opens `width`
+        branches): the draft's top tokens (greedy requests) or tokens sampled without replacement."""
         request = draft.request
-        generator = self._generators.get(request.request_id, request.sampling)
-        new_nodes, still_open = [], []
+        choices, room = [], request.max_nodes - (len(draft.tree_tokens) - 1)
         for branch in draft.open_branches:
-            room = request.max_nodes - (len(draft.tree_tokens) - 1)
             count = min(self.width if branch.node == 0 else 1, room)
             if count <= 0:
                 break
-            raw = branch.logits.float().softmax(-1)
-            q = None if request.sampling.greedy else warp(branch.logits, request.sampling)
-            if q is None:
-                tokens = torch.topk(raw, count).indices.tolist()
-            else:
-                count = min(count, int((q > 0).sum()))
-                tokens = torch.multinomial(q, count, replacement=False, generator=generator).tolist()
-            for token in tokens:
+            room -= count
+            if request.sampling.greedy:
+                confidence, tokens = torch.topk(branch.logits.float().softmax(-1), count)
+                choices.append(_Choice(branch, tokens, confidence, None))
+                continue
+            q = warp(branch.logits, request.sampling)
+            tokens = _sample_without_replacement(q, count, draft.generator)
+            choices.append(_Choice(branch, tokens, q[tokens], q))
+        return choices
+
+    def _grow(self, draft: _Draft, depth: int, chosen: list[tuple[_Choice, list[int], list[float]]]) -> list[int]:
+        """Add the chosen tokens to the tree; a branch stays open while its tip is confident enough."""
+        request = draft.request
+        new_nodes, still_open = [], []
+        for choice, tokens, confidences in chosen:
+            for token, own in zip(tokens, confidences):
+                if choice.q is not None and own <= 0:
+                    continue  # drawn past the end of q's support: fewer tokens than asked exist
                 node = len(draft.tree_tokens)
                 draft.tree_tokens.append(token)
-                draft.tree_parents.append(branch.node)
-                draft.probs_rows.append(q)
-                own = float(raw[token] if q is None else q[token])
+                draft.tree_parents.append(choice.branch.node)
+                draft.probs_rows.append(choice.q)
                 draft.confidence.append(own)
                 new_nodes.append(node)
                 if own >= request.confidence_threshold and depth < request.num_speculative_tokens:
-                    still_open.append(_Branch(node, branch.logits))
+                    still_open.append(_Branch(node, choice.branch.logits))
         draft.open_branches = still_open
         return new_nodes
 
@@ -139,7 +166,7 @@ class DraftModelProposer(Proposer):
     def _tree(draft: _Draft) -> DraftTree:
         probs = None
         if not draft.request.sampling.greedy and len(draft.tree_tokens) > 1:
-            probs = torch.stack([torch.zeros_like(draft.probs_rows[1]), *draft.probs_rows[1:]])
+            probs = tree_draft_probs(draft.probs_rows[1:])
         return DraftTree(draft.tree_tokens, draft.tree_parents, probs, draft.confidence)
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -173,5 +200,28 @@ class DraftModelProposer(Proposer):
     def release(self, request_id: str) -> None:
         if self.model.has(request_id):
             self.model.remove(request_id)
-        self._generators.drop(request_id)
         self._last_drafts.pop(request_id, None)
+
+
+def _sample_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`count` tokens drawn from q one after another without replacement (each next draw from q
+    renormalised over the tokens not yet drawn), as the exponential race: the largest q / E with
+    E ~ Exp(1). Unlike torch.multinomial it needs no host-side count of q's support; when q has
+    fewer than `count` tokens the extra draws have q = 0 and the caller drops them. In float64, so
+    that an E rounded to zero (which would always win) is out of reach."""
+    race = torch.empty_like(q, dtype=torch.float64).exponential_(generator=generator)
+    return torch.topk(q.double() / race, count).indices
+
+
+def _to_host(choices: list[_Choice]):
+    """Each choice with its token ids and confidences as Python lists, in one device-to-host transfer."""
+    if not choices:
+        return iter(())
+    packed = torch.cat([torch.stack([c.tokens.double(), c.confidence.double()]) for c in choices], dim=1).tolist()
+    tokens, confidences = [int(t) for t in packed[0]], packed[1]
+    offset, out = 0, []
+    for choice in choices:
+        count = len(choice.tokens)
+        out.append((choice, tokens[offset: offset + count], confidences[offset: offset + count]))
+        offset += count
+    return iter(out)

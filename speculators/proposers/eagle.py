@@ -30,7 +30,7 @@ import torch
 
 from speculators.heads.eagle import EagleHead, attend
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.sampling import DraftGenerators, mapped_warp
+from speculators.sampling import draft_generator, mapped_warp, tree_draft_probs
 from speculators.tree import DraftTree
 
 
@@ -80,6 +80,8 @@ class _Draft:
     scratch_nodes: list[int] = field(default_factory=list)
     scratch_keys: list[torch.Tensor] = field(default_factory=list)
     scratch_values: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    """This step's random stream (sampled requests)."""
 
     @property
     def sampled(self) -> bool:
@@ -111,7 +113,6 @@ class EagleProposer(Proposer):
         self._target_index = head.draft_to_target
         self._vocab_size = head.config.vocab_size
         self._committed: dict[str, _Committed] = {}
-        self._generators = DraftGenerators()
 
     # ---- per-request state ---------------------------------------------------------------------
 
@@ -123,7 +124,6 @@ class EagleProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._committed.pop(request_id, None)
-        self._generators.drop(request_id)
 
     # ---- catching up on committed tokens --------------------------------------------------------
 
@@ -176,7 +176,8 @@ class EagleProposer(Proposer):
         for request in requests:
             state = self._committed[request.request_id]
             root = request.token_ids[-1]
-            draft = _Draft(request, len(request.token_ids) - 2, [_Node(root, -1, 0, 1.0, 1.0)])
+            generator = draft_generator(request.sampling, len(request.token_ids), self.head.fc.weight.device)
+            draft = _Draft(request, len(request.token_ids) - 2, [_Node(root, -1, 0, 1.0, 1.0)], generator=generator)
             ready = state.last_logits is not None and state.end == len(request.token_ids) - 1
             if ready and request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.out[0], draft.logits[0] = state.last_hidden, state.last_logits
@@ -259,8 +260,7 @@ class EagleProposer(Proposer):
         request = draft.request
         q = mapped_warp(logits, self._target_index, self._vocab_size, request.sampling)
         count = min(count, int((q > 0).sum()))
-        generator = self._generators.get(request.request_id, request.sampling)
-        tokens = torch.multinomial(q, count, replacement=False, generator=generator).tolist()
+        tokens = torch.multinomial(q, count, replacement=False, generator=draft.generator).tolist()
         return [(token, float(q[token]), q) for token in tokens]
 
     def _tree(self, draft: _Draft) -> DraftTree:
@@ -272,6 +272,6 @@ class EagleProposer(Proposer):
         nodes = [draft.nodes[n] for n in keep]
         probs = None
         if draft.sampled and len(nodes) > 1:
-            probs = torch.stack([torch.zeros_like(nodes[1].q), *(n.q for n in nodes[1:])])
+            probs = tree_draft_probs([n.q for n in nodes[1:]])
         return DraftTree([n.token for n in nodes], [-1, *(index[n.parent] for n in nodes[1:])], probs,
                          [n.own for n in nodes])

@@ -21,7 +21,7 @@ import torch
 
 from speculators.heads.medusa import MedusaHeads
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.sampling import DraftGenerators, mapped_warp
+from speculators.sampling import draft_generator, mapped_warp, tree_draft_probs
 from speculators.tree import DraftTree
 
 DEFAULT_CHOICES = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0], [0, 0, 1], [3], [0, 2],
@@ -70,11 +70,9 @@ class MedusaProposer(Proposer):
         self.hidden_dtype = heads.blocks[0].layers[0].weight.dtype
         self._last: dict[str, tuple[int, torch.Tensor]] = {}
         """request id -> (position, the target's hidden state there) of its last committed row."""
-        self._generators = DraftGenerators()
 
     def release(self, request_id: str) -> None:
         self._last.pop(request_id, None)
-        self._generators.drop(request_id)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         ready = []
@@ -98,6 +96,7 @@ class MedusaProposer(Proposer):
         """The static tree filled in from the heads' logits [num_heads, draft_vocab] of one request."""
         tree = self.tree
         greedy = request.sampling.greedy
+        generator = draft_generator(request.sampling, len(request.token_ids), logits.device)
         if greedy:
             top = torch.topk(logits.softmax(-1), max(tree.ranks) + 1, dim=-1)
             top_probs, top_tokens = top.values.tolist(), self.heads.token_map[top.indices].tolist()
@@ -116,7 +115,6 @@ class MedusaProposer(Proposer):
             else:
                 q = mapped_warp(logits[head], self.heads.token_map, self.heads.vocab_size, request.sampling)
                 count = min(len(children), int((q > 0).sum()))
-                generator = self._generators.get(request.request_id, request.sampling)
                 picks = [(t, float(q[t]), q) for t in torch.multinomial(q, count, replacement=False, generator=generator).tolist()]
             for child, (token, own, q_row) in zip(children, picks):
                 drafted[child] = len(tokens)
@@ -127,5 +125,5 @@ class MedusaProposer(Proposer):
                 queue.append(child)
         draft_probs = None
         if not greedy and len(tokens) > 1:
-            draft_probs = torch.stack([torch.zeros_like(rows[1]), *rows[1:]])
+            draft_probs = tree_draft_probs(rows[1:])
         return DraftTree(tokens, parents, draft_probs, confidence)

@@ -20,6 +20,9 @@ from speculators.proposers.base import DraftRequest, Proposer
 from speculators.proposers.continuations import confidence
 from speculators.tree import DraftTree
 
+NUM_TOKENS, MAX_NGRAM_SIZE, MAX_BRANCHES = 20, 2, 2
+"""Defaults, chosen on Spec-Bench questions with the planner trimming every tree (the serving
+defaults read them too)."""
 MAX_OCCURRENCES = 64
 """Earlier occurrences of the matched n-gram counted for confidences (the most recent ones)."""
 
@@ -82,7 +85,7 @@ class PromptLookupProposer(Proposer):
     name = "pld"
     provides_probabilities = False
 
-    def __init__(self, num_tokens: int = 10, max_ngram_size: int = 2, max_branches: int = 1):
+    def __init__(self, num_tokens: int = NUM_TOKENS, max_ngram_size: int = MAX_NGRAM_SIZE, max_branches: int = MAX_BRANCHES):
         if num_tokens < 1 or max_ngram_size < 1 or max_branches < 1:
             raise ValueError("num_tokens, max_ngram_size and max_branches must be >= 1")
         self.num_tokens, self.max_ngram_size, self.max_branches = num_tokens, max_ngram_size, max_branches

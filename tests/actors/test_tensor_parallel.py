@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from actors.target_group import TargetGroup
+from actors.target_worker import RequestFailed
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from tests.cluster.ray_fixtures import local_ray
@@ -124,12 +125,13 @@ def test_tp2_ranks_each_hold_about_half_the_weights(model):
 
 
 def test_a_verifier_error_reaches_every_rank_and_the_group_goes_on(model):
-    """Only rank 0 runs the verifier: its error must be broadcast, or rank 1 would wait forever."""
+    """Only rank 0 runs the verifier: its error must be broadcast, or rank 1 would wait forever. It
+    comes back as that request's RequestFailed (the request fails alone; the ranks' caches agree)."""
     case, groups = model
     call(groups[2], "start", [("bad", case.prompt, SamplingParams(temperature=1.0, seed=0))])
     malformed = DraftTree.chain(case.prompt[-1], [50], draft_probs=torch.full((2, 5), 0.2))  # 5-token q
-    with pytest.raises(Exception, match="IndexError"):
-        call(groups[2], "verify", [("bad", malformed)])
+    (failed,) = call(groups[2], "verify", [("bad", malformed)])
+    assert isinstance(failed, RequestFailed) and "IndexError" in failed.reason
     call(groups[2], "finish", "bad")
     assert greedy_decode(groups[2], "after", case.prompt, 2) == greedy_decode(groups[1], "after", case.prompt, 2)
 
@@ -146,3 +148,19 @@ def test_group_answers_pings_until_shut_down(tiny_model_dir):
     assert not group.alive()
     with pytest.raises(RuntimeError, match="shut down"):
         group.submit("ping")
+
+
+def test_a_shard_starts_in_two_steps_and_a_world_of_one_needs_no_rendezvous(tiny_model_dir):
+    """Constructing a shard loads nothing (the group first asks rank 0 for its port); join loads."""
+    import socket
+
+    from actors.target_group import TargetShard
+
+    shard = TargetShard(str(tiny_model_dir), 0, 1, max_sequences=1, max_len=32, dtype="float64")
+    assert shard.worker is None and shard.device == torch.device("cpu")
+    port = shard.rendezvous_port()
+    with socket.socket() as listener:
+        listener.bind(("", port))  # free on every address of this node
+    shard.join("127.0.0.1", 0)
+    shard.start([("r", [1, 2, 3], SamplingParams())])
+    assert len(shard.verify([("r", DraftTree.root_only(3))])[0].new_tokens) == 1

@@ -6,11 +6,19 @@ even when another one runs on this machine, and token auth is off so the cluster
 """
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import ray
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for Serve's HTTP and gRPC proxies)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextmanager

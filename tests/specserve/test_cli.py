@@ -48,3 +48,9 @@ def test_engine_config_keeps_the_old_field_names_as_aliases():
                                        "lookahead": {"max_tokens": 9, "threshold": 0.3}})
     assert (old.prompt_lookup_num_tokens, old.prompt_lookup_max_ngram_size, old.prompt_lookup_max_branches) == (4, 3, 2)
     assert (old.lookahead.num_speculative_tokens, old.lookahead.confidence_threshold) == (9, 0.3)
+
+
+@pytest.mark.default_model
+def test_fuzz_command_runs_the_property(capsys):
+    assert main(["fuzz", "--examples", "20", "--seed", "3"]) == 0
+    assert "20 HTTP bodies and 20 gRPC messages" in capsys.readouterr().out

@@ -22,7 +22,7 @@ def peaked(*best: int) -> torch.Tensor:
 
 def test_greedy_accepts_the_longest_matching_path():
     tree = DraftTree([0, 1, 2, 3, 4], [-1, 0, 0, 2, 3])  # 0 -> {1, 2 -> 3 -> 4}
-    result = verify_greedy(tree, peaked(2, 5, 3, 4, 5))
+    result = verify_greedy(tree, [2, 5, 3, 4, 5])
     assert result.accepted_nodes == [0, 2, 3, 4]
     assert result.accepted_tokens == [2, 3, 4]
     assert result.next_token == 5  # bonus from the leaf
@@ -30,9 +30,9 @@ def test_greedy_accepts_the_longest_matching_path():
 
 def test_greedy_rejection_returns_the_target_token():
     tree = DraftTree.chain(0, [1, 2])
-    result = verify_greedy(tree, peaked(1, 3, 0))
+    result = verify_greedy(tree, [1, 3, 0])
     assert result.accepted_tokens == [1] and result.next_token == 3
-    assert verify_greedy(tree, peaked(4, 0, 0)).new_tokens == [4]
+    assert verify_greedy(tree, [4, 0, 0]).new_tokens == [4]
 
 
 def test_root_only_tree_is_plain_decoding():

@@ -92,11 +92,11 @@ def test_measured_curves_are_cached(tiny_model, tmp_path, monkeypatch):
     from actors.target_worker import TargetWorker
     from actors.worker import LocalWorker
 
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECSERVE_COST_CURVES", str(tmp_path))
     model, _ = tiny_model
     worker = LocalWorker(TargetWorker(model, 4, 256))
     first = measure(worker, 4, 256, key="tiny", repeats=1)
-    assert (tmp_path / "cost-curves" / "tiny.json").exists()
+    assert (tmp_path / "tiny.json").exists()
     assert measure(worker, 4, 256, key="tiny").to_json() == first.to_json()
     shapes, context = shapes_for(4, 256)
     assert {s for _, s in shapes} == {1, 2, 4} and context + max(t for t, _ in shapes) < 256

@@ -1,7 +1,6 @@
 """The Ray Serve application on CPU, driven over real ports by a gRPC client and the openai client."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from cluster.engine.build import build_engine
 from cluster.engine.request import GenerationRequest
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
+from tests.cluster.ray_fixtures import free_port
 
 pytestmark = pytest.mark.default_model
 PROMPT = "List the first five prime numbers, separated by commas:"
@@ -26,14 +26,8 @@ ARGS = {
         "engine": {"model": "smollm2-135m", "method": "pld", "max_sequences": 4, "max_len": 1024},
         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0,
     },
-    "limits": {"max_new_tokens": 64, "max_concurrent_requests": 8},
+    "limits": {"max_prompt_tokens": 960, "max_new_tokens": 64, "max_concurrent_requests": 8},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +155,10 @@ def test_grpc_and_http_at_once(stub, ports, plain_ids):
     chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+
+
+def test_the_replica_exposes_its_measured_cost_curve(stub):
+    curves = serve.get_deployment_handle("SpecServer", "specserve").cost_curves.remote().result()
+    assert len(curves) == 1 and curves[0]
+    single = sorted((p["tokens"], p["seconds"]) for p in curves[0] if p["sequences"] == 1)
+    assert single[0][0] == 1 and all(seconds > 0 for _, seconds in single)

@@ -1,6 +1,12 @@
+import threading
 from types import SimpleNamespace
 
+from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.request import GenerationRequest
 from cluster.serve.autoscaling import SpeculationAwarePolicy, desired_replicas
+from cluster.serve.metrics import ServingMetrics
+from tests.conftest import IdTokenizer
 
 
 def test_speculation_raises_each_replicas_capacity():
@@ -16,18 +22,87 @@ def test_credit_for_speculation_is_capped_and_never_below_plain():
     assert desired_replicas(load, {}, {"a": 0.2}, 1, 8) == 8
 
 
-def test_a_waiting_request_adds_a_replica_and_idle_goes_to_zero():
-    assert desired_replicas({"a": 4.0}, {"a": 1.0}, {"a": 3.0}, current=1, target_ongoing=8) == 2
+def test_a_long_wait_for_a_kv_slot_adds_a_replica_and_idle_goes_to_zero():
+    assert desired_replicas({"a": 4.0}, {"a": 31.0}, {"a": 3.0}, current=1, target_ongoing=8, max_queue_wait_s=30) == 2
     assert desired_replicas({}, {}, {}, current=3, target_ongoing=8) == 0
+
+
+def test_a_normal_queue_adds_no_replica():
+    """The default serve config: 32 requests held, 8 KV slots, so 24 wait a little; 32 / 8 = 4 replicas,
+    not one more for the queue (queued requests are part of `ongoing`, so they count once)."""
+    assert desired_replicas({"a": 32.0}, {"a": 2.0}, {"a": 1.0}, current=4, target_ongoing=8) == 4
 
 
 def test_policy_respects_bounds_and_reads_serve_metrics():
     policy = SpeculationAwarePolicy(target_ongoing_requests=4)
     ctx = SimpleNamespace(
-        aggregated_metrics={"ongoing": {"r1": 40.0}, "queued": {"r1": 0.0}, "tokens_per_step": {"r1": 1.0}},
+        aggregated_metrics={"ongoing": {"r1": 40.0}, "queue_wait_s": {"r1": 0.0}, "tokens_per_step": {"r1": 1.0}},
         current_num_replicas=1, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=5,
         policy_state={},
     )
     assert policy(ctx) == (5, {})
     ctx.aggregated_metrics = {}
     assert policy(ctx) == (1, {})
+
+
+def sampled_after(metrics: ServingMetrics, engine, requests) -> dict[str, float]:
+    loops = [SimpleNamespace(engine=engine, load=0)]
+    metrics.sample(loops)
+    engine.generate(requests)
+    return metrics.sample(loops)
+
+
+def test_a_batch_without_speculation_reports_one_token_per_pass(tiny_model):
+    """8 requests decoded together, no drafter: each gains 1 token per pass, so no credit (it was 8)."""
+    engine = local_engine(tiny_model[0], IdTokenizer(), None, SchedulerConfig(max_sequences=8, max_len=128))
+    requests = [GenerationRequest(f"r{i}", [i + 1, i + 2, 3], max_new_tokens=6) for i in range(8)]
+    assert sampled_after(ServingMetrics(), engine, requests)["tokens_per_step"] == 1.0
+
+
+def test_samples_from_two_threads_keep_every_token(tiny_model):
+    """The event loop and Serve's autoscaling thread both sample: no period may be counted twice."""
+    metrics = ServingMetrics()
+    engine = local_engine(tiny_model[0], IdTokenizer(), None, SchedulerConfig(max_sequences=4, max_len=128))
+    loops = [SimpleNamespace(engine=engine, load=0)]
+    seen, stop = [], threading.Event()
+    real_sample = metrics._sample
+
+    def counting_sample(loops):
+        before = metrics._last.tokens
+        result = real_sample(loops)
+        seen.append(metrics._last.tokens - before)
+        return result
+
+    metrics._sample = counting_sample
+
+    def sampler():
+        while not stop.is_set():
+            metrics.sample(loops)
+
+    threads = [threading.Thread(target=sampler) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    engine.generate([GenerationRequest(f"r{i}", [i + 1, 2, 3], max_new_tokens=20) for i in range(4)])
+    stop.set()
+    for thread in threads:
+        thread.join()
+    metrics.sample(loops)
+    assert sum(seen) == engine.counters.tokens == 80
+
+
+def test_drafter_and_target_failures_are_counted_once(monkeypatch):
+    from types import SimpleNamespace
+
+    from cluster.engine.stats import EngineCounters
+
+    metrics, counted = ServingMetrics(), []
+    monkeypatch.setattr(metrics.drafter_failures, "inc", lambda n, tags=None: counted.append((tags["kind"], n)))
+    monkeypatch.setattr(metrics.target_failures, "inc", lambda n, tags=None: counted.append(("target", n)))
+    counters = EngineCounters(draft_failures=2, bad_trees=1, target_failures=1)
+    engine = SimpleNamespace(counters=counters, queue_depth=0, waiting=[])
+    loop = SimpleNamespace(engine=engine, load=0)
+    metrics.sample([loop])
+    metrics.sample([loop])  # nothing new: nothing counted again
+    counters.draft_failures += 1
+    metrics.sample([loop])
+    assert counted == [("call", 2), ("bad_tree", 1), ("target", 1), ("call", 1)]

@@ -52,3 +52,40 @@ def test_authorization_metadata_is_read():
 
     assert metadata_value(Context(), "authorization") == "Bearer k"
     assert metadata_value(None, "authorization") is None
+
+
+def test_bytes_that_do_not_parse_become_invalid_argument_naming_the_request():
+    from cluster.serve.grpc_api import UndecodableRequest, parse_or_explain, checked
+
+    good = pb.GenerateRequest(text="AB").SerializeToString()
+    parse = parse_or_explain(pb.GenerateRequest)
+    assert checked(parse(good)).text == "AB"
+    for bad in (good.replace(b"AB", b"\xff\xfe"), b"\xff\xff\xff"):
+        message = parse(bad)
+        assert isinstance(message, UndecodableRequest)
+        with pytest.raises(InvalidRequest) as refused:
+            checked(message)
+        assert refused.value.field == "request" and status_of(refused.value) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("error,hint", [(Overloaded("full"), True), (WorkerFailed("retry"), True),
+                                        (InvalidRequest("prompt", "empty"), False)])
+def test_retryable_grpc_errors_carry_a_retry_hint(error, hint):
+    from cluster.serve.app import SpecServer
+
+    class Context:
+        trailing = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+        def set_trailing_metadata(self, metadata):
+            self.trailing = metadata
+
+    context = Context()
+    SpecServer.func_or_class._fail(context, error)
+    assert context.code == status_of(error) and context.details == str(error)
+    assert (context.trailing == [("retry-after", "1")]) == hint

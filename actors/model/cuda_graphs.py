@@ -1,0 +1,122 @@
+"""CUDA graphs for one-sequence passes at bucketed sizes (ModelRunner's `cuda_graphs` flag).
+
+At batch 1 a decode step, a small verification pass or a draft step on a GPU costs mostly the
+launching of a few hundred small kernels from Python. A CUDA graph replays a captured pass with one
+launch, but it needs fixed shapes and fixed memory. So each bucket (1, 2, 4, ... 64 new tokens) is
+captured once, when the runner is made and its KV cache is still empty (the warm-up runs before
+capture write into that empty cache and harm nothing), over static input buffers. A call pads its
+tokens to the next bucket (pad tokens write K/V past the sequence's end, where nothing reads
+before it is overwritten) and attends its slot's whole cache under its mask, so no shape depends on
+the sequence. Calls no bucket takes run eagerly: several sequences, more tokens than the largest
+bucket, no logits wanted (a prefill), a tensor-parallel shard, or an attention backend other than
+sdpa (the split backend lays out its blocks on the host).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from actors.model.batch import PackedBatch, Segment
+from actors.model.kv_cache import KVCache
+from actors.model.llama import LlamaDecoder
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class StaticBatch(PackedBatch):
+    """The layout of one sequence's `tokens` new tokens over its slot's whole cache, in fixed
+    buffers that each call refills: the slot is a tensor too, not a Python index."""
+
+    def __init__(self, tokens: int, max_len: int, device: torch.device):
+        super().__init__([Segment(0, max_len - tokens, tokens, torch.ones(tokens, max_len, dtype=torch.bool))], device)
+
+    def read(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache.keys[layer].index_select(0, self.slots), cache.values[layer].index_select(0, self.slots)
+
+    def load(self, segment: Segment) -> None:
+        """Lay out `segment` (at most this batch's tokens) in the buffers; pad rows attend position 0."""
+        tokens, max_len = self.num_tokens, self.mask.shape[-1]
+        mask = torch.zeros(1, tokens, max_len, dtype=torch.bool)
+        mask[0, : segment.num_tokens, : segment.end] = True if segment.mask is None else segment.mask
+        mask[0, segment.num_tokens:, 0] = True
+        self.mask.copy_(mask)
+        self.slots.fill_(segment.slot)
+        self.token_slots.fill_(segment.slot)
+        self.token_positions.copy_(torch.arange(segment.start, segment.start + tokens))
+
+
+class _Bucket:
+    """Static inputs, layout and output of one captured size."""
+
+    def __init__(self, model: LlamaDecoder, tokens: int, max_len: int):
+        device = model.device
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.rows = torch.arange(tokens, device=device)
+        self.batch = StaticBatch(tokens, max_len, device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, segment: Segment) -> None:
+        count = segment.num_tokens
+        self.input_ids[:count].copy_(input_ids)
+        self.input_ids[count:].zero_()
+        self.positions[:count].copy_(positions)
+        self.positions[count:].copy_(positions[-1:].expand(len(self.positions) - count))
+        self.batch.load(segment)
+
+
+class GraphedForward:
+    """Called like LlamaDecoder.forward; one-sequence calls that fit a bucket replay its graph.
+
+    `capture=False` runs the same padded, fixed-shape pass eagerly: how the CPU suite checks that
+    the bucketed layout computes what the plain pass computes.
+    """
+
+    def __init__(self, model: LlamaDecoder, cache: KVCache, buckets: Sequence[int] = BUCKETS, capture: bool = True):
+        self.model, self.cache = model, cache
+        self.capture = capture
+        fits = model.comm.world_size == 1 and model.backend.name == "sdpa"
+        self.buckets = {size: _Bucket(model, size, cache.max_len) for size in buckets if size <= cache.max_len} if fits else {}
+        if capture:
+            for bucket in self.buckets.values():
+                self._capture(bucket)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Each graph gets its own memory pool: graphs that share one are safe only when replayed
+        in the order they were captured, and calls come in any order."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture, as CUDA graphs require
+            for _ in range(2):
+                self._run(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        bucket.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.graph):
+            bucket.output = self._run(bucket)
+
+    def _run(self, bucket: _Bucket) -> torch.Tensor:
+        return self.model.run(bucket.input_ids, bucket.positions, bucket.batch, self.cache, bucket.rows)
+
+    def _bucket_for(self, segments: Sequence[Segment], logit_rows: torch.Tensor | None) -> _Bucket | None:
+        if len(segments) != 1 or logit_rows is None:
+            return None
+        segment = segments[0]
+        size = next((s for s in sorted(self.buckets) if s >= segment.num_tokens), None)
+        if size is None or segment.start + size > self.cache.max_len:
+            return None
+        return self.buckets[size]
+
+    def __call__(self, input_ids, positions, segments, cache, logit_rows=None):
+        bucket = self._bucket_for(segments, logit_rows)
+        if bucket is None:
+            return self.model(input_ids, positions, segments, cache, logit_rows)
+        cache.check_room(segments[0].end)
+        bucket.load(input_ids, positions, segments[0])
+        if bucket.graph is None:
+            output = self._run(bucket)
+        else:
+            bucket.graph.replay()
+            output = bucket.output
+        return output.index_select(0, logit_rows)  # a copy: the next replay overwrites the output

@@ -1,0 +1,381 @@
+"""The checks that bench/gpu_check.py runs, one function each.
+
+Each takes the run's Context and returns a dict of what it measured; a dict with `"pass": False`
+is a failed check, an exception an errored one, `Skip` one that cannot run here (the reason is
+recorded). The sizes come from the Context, so the CPU dry run runs the same code on tiny shapes.
+"""
+from __future__ import annotations
+
+import importlib
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from actors.draft_worker import DraftWorker
+from actors.model.attention import get_backend
+from actors.model.llama import decoder_from_tensors
+from actors.model.loader import load_model
+from actors.model.runner import ModelRunner
+from actors.model.split_attention import SplitBackend
+from actors.model.timing import finish_queued_work, time_passes
+from actors.target_group import TargetShard
+from actors.target_worker import TargetWorker
+from actors.worker import LocalWorker
+from bench.greedy_agreement import decode, divergence_at, measure_agreement, oracle_drafter
+from bench.gpu_models import RandomModel, Shape, build, save
+from speculators.proposers.base import DraftRequest, TreeInput
+from speculators.proposers.draft_model import DraftModelProposer
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree, chain_parents
+from speculators.verify import verify
+
+BACKENDS = ("sdpa", "split")
+TREE_SIZES = (1, 4, 16, 32, 64)
+BATCHES = (1, 8)
+LOGITS_TOLERANCE = {torch.bfloat16: 0.05, torch.float32: 1e-4}
+"""Largest |ours - transformers| allowed, relative to transformers' largest |logit|. The argmax must
+also agree wherever transformers' top two logits are further apart than twice the row's error."""
+
+
+class Skip(Exception):
+    """The check cannot run on this machine; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prompt: int
+    agreement_prompts: int
+    agreement_tokens: int
+    context: int
+    repeats: int
+    new_tokens: int
+    depths: tuple[int, ...]
+    sampling_trials: int
+
+
+GPU_SIZES = Sizes(prompt=128, agreement_prompts=8, agreement_tokens=48, context=256, repeats=5, new_tokens=128,
+                  depths=(4, 8), sampling_trials=3000)
+DRY_RUN_SIZES = Sizes(prompt=16, agreement_prompts=2, agreement_tokens=8, context=16, repeats=1, new_tokens=16,
+                      depths=(4,), sampling_trials=1000)
+
+
+@dataclass
+class Context:
+    device: torch.device
+    dtype: torch.dtype
+    shapes: dict[str, Shape]
+    sizes: Sizes
+    workdir: Path
+    _models: dict[str, RandomModel] = field(default_factory=dict)
+
+    def model(self, key: str) -> RandomModel:
+        """The random model of shape `key`, built once per run (seeded by its key)."""
+        if key not in self._models:
+            self._models[key] = build(self.shapes[key], self.device, self.dtype, seed=sorted(self.shapes).index(key))
+        return self._models[key]
+
+    def prompt(self, length: int, seed: int = 0) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(self.shapes["1b"].vocab_size, (length,), generator=generator).tolist()
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def environment(ctx: Context) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": str(ctx.device), "dtype": str(ctx.dtype).removeprefix("torch."),
+            "split_prefix_kernel": SplitBackend().prefix_kernel, "ray_importable": _importable("ray"),
+            "vllm_flash_attn_importable": _importable("vllm_flash_attn"),
+            "shapes": {key: {"name": s.name, "parameters": s.parameters()} for key, s in ctx.shapes.items()},
+            "eagle3_head": "none in the code base at this commit: the draft check runs a draft model only"}
+    if ctx.device.type == "cuda":
+        props = torch.cuda.get_device_properties(ctx.device)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+    return info
+
+
+def _our_logits(model: RandomModel, prompt: list[int]) -> torch.Tensor:
+    runner = ModelRunner(model.decoder, 1, len(prompt) + 1)
+    runner.add("logits")
+    return runner.forward([TreeInput("logits", prompt, chain_parents(len(prompt)))])[0]
+
+
+def logits_vs_transformers(ctx: Context) -> dict:
+    """Our decoder against transformers' LlamaForCausalLM on the same weights, both backends."""
+    results, passed = {}, True
+    tolerance = LOGITS_TOLERANCE.get(ctx.dtype, 1e-4)
+    prompt = ctx.prompt(ctx.sizes.prompt)
+    for key in ("1b", "8b"):
+        model = ctx.model(key)
+        with torch.inference_mode():
+            expected = model.reference(torch.tensor([prompt], device=ctx.device)).logits[0].float()
+        for backend in BACKENDS:
+            model.decoder.backend = get_backend(backend)
+            ours = _our_logits(model, prompt)
+            error = (ours - expected).abs()
+            relative = float(error.max() / expected.abs().max())
+            same = ours.argmax(-1) == expected.argmax(-1)
+            top2 = torch.topk(expected, 2).values
+            clear = top2[:, 0] - top2[:, 1] > 2 * error.max(-1).values  # rounding cannot swap these
+            results[f"{key}/{backend}"] = {"relative_max_diff": relative, "top1_agreement": float(same.float().mean()),
+                                           "clear_positions": int(clear.sum()),
+                                           "top1_agreement_where_clear": float(same[clear].float().mean()) if clear.any() else None}
+            passed &= relative <= tolerance and bool(same[clear].all())
+        model.decoder.backend = get_backend("sdpa")
+    return {"pass": passed, "tolerance": tolerance, "results": results}
+
+
+def greedy_losslessness(ctx: Context) -> dict:
+    """Oracle-drafted chains and trees against plain decoding, in the run's dtype; every divergence
+    must be a near-tie of a float32 (float64 in the dry run) copy of the same weights."""
+    model = ctx.model("1b").decoder
+    wider = torch.float64 if ctx.dtype == torch.float32 else torch.float32
+    full = decoder_from_tensors(model.config, {n: p.to(wider) for n, p in model.named_parameters()})
+    prompts = [ctx.prompt(32, seed) for seed in range(ctx.sizes.agreement_prompts)]
+    results, passed = {}, True
+    for backend in BACKENDS:
+        model.backend = get_backend(backend)
+        for width in (1, 3):
+            agreement = measure_agreement(model, full, prompts, ctx.sizes.agreement_tokens, depth=4, width=width)
+            summary = agreement.as_dict()
+            results[f"{backend}/{'chain' if width == 1 else f'tree-width-{width}'}"] = summary
+            passed &= summary["all_at_near_ties"]
+    model.backend = get_backend("sdpa")
+    return {"pass": passed, "results": results}
+
+
+def _verifier_first_tokens(ctx: Context, p: torch.Tensor, q: torch.Tensor, trials: int) -> torch.Tensor:
+    """How often each token comes first out of the sampled verifier, for one drafted child of q."""
+    params = SamplingParams(temperature=1.0, seed=0)
+    verify_generator = params.generator(0, ctx.device)
+    draft_generator = torch.Generator().manual_seed(1)
+    logits = p.log().expand(2, -1)
+    counts = torch.zeros(len(p), dtype=torch.long)
+    for _ in range(trials):
+        child = int(torch.multinomial(q, 1, generator=draft_generator))
+        tree = DraftTree.chain(0, [child], torch.stack([torch.zeros_like(q), q]))
+        counts[verify(tree, logits, params, verify_generator).new_tokens[0]] += 1
+    return counts
+
+
+def sampling_with_a_device_generator(ctx: Context) -> dict:
+    """The sampled verifier on the device with a device generator and draft rows from the CPU:
+    its first tokens follow the target's p (chi-square); then a draft model and the target on the
+    same device draft and verify a sampled request end to end."""
+    from scipy.stats import chisquare
+
+    torch.manual_seed(0)
+    p = torch.randn(12, device=ctx.device).softmax(-1).double()
+    q = torch.randn(12).softmax(-1).double()
+    counts = _verifier_first_tokens(ctx, p, q, ctx.sizes.sampling_trials)
+    expected = p.cpu().numpy()
+    pvalue = float(chisquare(counts.numpy(), expected / expected.sum() * int(counts.sum())).pvalue)
+    target, draft = ctx.model("1b").decoder, ctx.model("draft").decoder
+    worker = TargetWorker(target, 1, 256)
+    proposer = DraftModelProposer(ModelRunner(draft, 1, 256), width=2)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    tokens = ctx.prompt(16)
+    worker.start([("sampled", tokens, sampling)])
+    tree_devices = set()
+    for _ in range(4):
+        tree = proposer.propose([DraftRequest("sampled", tokens, 3, 6, sampling=sampling)])[0]
+        tree_devices.add(str(tree.draft_probs.device) if tree.draft_probs is not None else "none")
+        tokens = tokens + worker.verify([("sampled", tree)])[0].new_tokens
+        proposer.on_accept("sampled", tokens)
+    worker.finish("sampled")
+    passed = pvalue > 1e-4 and tree_devices <= {"cpu", "none"}
+    return {"pass": passed, "chi_square_pvalue": pvalue, "trials": int(counts.sum()),
+            "generator_device": str(SamplingParams(1.0, seed=0).generator(0, ctx.device).device),
+            "draft_probs_devices": sorted(tree_devices), "tokens_generated": len(tokens) - 16}
+
+
+def verification_cost(ctx: Context) -> dict:
+    """A pass over trees of each size, relative to one decode step at the same batch (chains
+    stand in for trees: a pass costs the same for any tree shape of that many tokens)."""
+    shapes = [(size * batch, batch) for batch in BATCHES for size in TREE_SIZES]
+    results = {}
+    for key in ("1b", "8b"):
+        decoder = ctx.model(key).decoder
+        for backend in BACKENDS:
+            decoder.backend = get_backend(backend)
+            runner = ModelRunner(decoder, max(BATCHES), ctx.sizes.context + max(TREE_SIZES) + 1)
+            seconds = dict(zip(shapes, time_passes(runner, shapes, ctx.sizes.context, ctx.sizes.repeats)))
+            results[f"{key}/{backend}"] = {
+                f"batch {batch}": {str(size): {"ms": 1e3 * seconds[(size * batch, batch)],
+                                               "relative": seconds[(size * batch, batch)] / seconds[(batch, batch)]}
+                                   for size in TREE_SIZES}
+                for batch in BATCHES}
+            del runner
+        decoder.backend = get_backend("sdpa")
+    return {"context": ctx.sizes.context, "results": results}
+
+
+def _timed(run: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    finish_queued_work(device)
+    began = time.perf_counter()
+    out = run()
+    finish_queued_work(device)
+    return out, time.perf_counter() - began
+
+
+def tokens_per_second(ctx: Context) -> dict:
+    """Plain decoding against an oracle drafter (always right): the most tokens per second the
+    engine's verification turns perfect acceptance into, batch 1."""
+    results, passed = {}, True
+    new = ctx.sizes.new_tokens
+    prompt = ctx.prompt(ctx.sizes.prompt)
+    for key in ("1b", "8b"):
+        worker = TargetWorker(ctx.model(key).decoder, 1, len(prompt) + new + max(ctx.sizes.depths) + 2)
+        decode(worker, prompt, 4)  # warm-up
+        plain, plain_s = _timed(lambda: decode(worker, prompt, new), ctx.device)
+        row = {"plain": {"tokens_per_s": new / plain_s, "passes": plain.passes}}
+        for depth in ctx.sizes.depths:
+            drafter = oracle_drafter(len(prompt), plain.tokens, depth)
+            oracle, seconds = _timed(lambda: decode(worker, prompt, new, drafter), ctx.device)
+            row[f"oracle depth {depth}"] = {"tokens_per_s": new / seconds, "passes": oracle.passes,
+                                            "tokens_per_pass": new / oracle.passes, "speedup": plain_s / seconds,
+                                            "same_tokens_as_plain": oracle.tokens == plain.tokens}
+        results[key] = row
+    return {"new_tokens": new, "results": results}
+
+
+def draft_step(ctx: Context) -> dict:
+    """What a draft model's step costs at batch 1 and 8: catching up on one committed token, then
+    drafting a depth-4 chain (greedy), as every engine step asks of it; batch 1 also with CUDA
+    graphs (one-sequence passes only)."""
+    decoder = ctx.model("draft").decoder
+    results = {}
+    for batch, graphs in [(batch, False) for batch in BATCHES] + [(1, True)]:
+        runner = ModelRunner(decoder, max(BATCHES), ctx.sizes.prompt + 8 + max(TREE_SIZES), cuda_graphs=graphs)
+        proposer = DraftModelProposer(runner, width=1)
+        requests = [DraftRequest(f"r{i}", ctx.prompt(ctx.sizes.prompt, i), 4, 4) for i in range(batch)]
+        proposer.propose(requests)  # warm-up; also fills the draft's cache with the prompts
+        samples = []
+        for _ in range(max(ctx.sizes.repeats, 1)):
+            for request in requests:  # back to all but the last token, which the step then catches up on
+                proposer.on_accept(request.request_id, request.token_ids[:-1])
+            _, seconds = _timed(lambda: proposer.propose(requests), ctx.device)
+            samples.append(seconds)
+        label = f"batch {batch}" + (", cuda graphs" if graphs else "")
+        results[label] = {"ms_per_proposal": 1e3 * min(samples), "ms_per_depth": 1e3 * min(samples) / 4,
+                          "graphed_sizes": runner.graphed_sizes}
+        del proposer, runner
+    return {"draft": ctx.shapes["draft"].name, "results": results}
+
+
+def cuda_graphs(ctx: Context) -> dict:
+    """Plain and oracle-drafted decoding at batch 1 with CUDA graphs replayed for one-sequence
+    passes, against eager passes (on a CPU the flag is off: both columns run eagerly)."""
+    new, prompt = ctx.sizes.new_tokens, ctx.prompt(ctx.sizes.prompt)
+    max_len = len(prompt) + new + max(TREE_SIZES) + 1  # a padded bucket writes past the tokens it runs
+    results = {}
+    for key in ("1b", "8b"):
+        row, tokens = {}, {}
+        for label, graphs in (("eager", False), ("cuda graphs", True)):
+            worker = TargetWorker(ctx.model(key).decoder, 1, max_len, cuda_graphs=graphs)
+            decode(worker, prompt, 4)  # warm-up
+            plain, plain_s = _timed(lambda: decode(worker, prompt, new), ctx.device)
+            drafter = oracle_drafter(len(prompt), plain.tokens, 4)
+            _, oracle_s = _timed(lambda: decode(worker, prompt, new, drafter), ctx.device)
+            row[label] = {"graphed_sizes": worker.runner.graphed_sizes, "plain_tokens_per_s": new / plain_s,
+                          "oracle_depth_4_tokens_per_s": new / oracle_s}
+            tokens[label] = plain.tokens
+            del worker
+        row["same_plain_tokens"] = tokens["eager"] == tokens["cuda graphs"]
+        row["plain_speedup"] = row["cuda graphs"]["plain_tokens_per_s"] / row["eager"]["plain_tokens_per_s"]
+        results[key] = row
+    return {"new_tokens": new, "results": results}
+
+
+def _draft_proposer(path: str, dtype: str, device: str, max_len: int) -> DraftModelProposer:
+    """Runs inside the draft worker (a Ray actor or this process): loads the draft from `path`."""
+    return DraftModelProposer(ModelRunner(load_model(path, getattr(torch, dtype), device), 1, max_len))
+
+
+def _start_ray():
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
+    return ray, started
+
+
+def shard_path(ctx: Context) -> dict:
+    """A TP=1 target shard and a draft worker on the same GPU, both loading saved weights:
+    through Ray (half a GPU each) when Ray imports, else the same classes in this process."""
+    target_model, draft_model = ctx.model("1b"), ctx.model("draft")
+    target_dir, draft_dir = save(target_model, ctx.workdir / "target"), save(draft_model, ctx.workdir / "draft")
+    prompt, new = ctx.prompt(ctx.sizes.prompt), ctx.sizes.new_tokens // 2
+    max_len = len(prompt) + new + 8
+    dtype, device = str(ctx.dtype).removeprefix("torch."), str(ctx.device)
+    plain = decode(TargetWorker(target_model.decoder, 1, max_len), prompt, new).tokens
+    build_draft = partial(_draft_proposer, str(draft_dir), dtype, device, max_len)
+    ray_module, started_ray = (None, False)
+    if _importable("ray"):
+        from actors.target_group import TargetGroup
+        from actors.worker import RayActorWorker
+
+        ray_module, started_ray = _start_ray()
+        half = {"num_gpus": 0.5, "num_cpus": 0}
+        target = TargetGroup(str(target_dir), 1, max_sequences=1, max_len=max_len, dtype=dtype, device=device,
+                             actor_options=[half])
+        draft = RayActorWorker(ray_module.remote(DraftWorker).options(**half).remote(build_draft))
+        route = "ray: TargetGroup (TP=1) and a DraftWorker actor, 0.5 GPU each"
+    else:
+        shard = TargetShard(str(target_dir), 0, 1, max_sequences=1, max_len=max_len, dtype=dtype, device=device)
+        shard.join("127.0.0.1", 0)
+        target, draft = LocalWorker(shard, "target"), LocalWorker(DraftWorker(build_draft), "draft")
+        route = "in-process TargetShard and DraftWorker (ray is not importable here)"
+    try:
+        tokens = list(prompt)
+        target.submit("start", [("r", tokens, SamplingParams())]).result(300)
+        while len(tokens) - len(prompt) < new:
+            tree = draft.submit("propose", [DraftRequest("r", tokens, 4, 4)]).result(300).trees[0]
+            tokens += target.submit("verify", [("r", tree)]).result(300)[0].new_tokens
+        generated = tokens[len(prompt): len(prompt) + new]
+    finally:
+        target.shutdown()
+        draft.shutdown()
+        if started_ray:
+            ray_module.shutdown()
+    result = {"route": route, "identical_to_plain": generated == plain, "new_tokens": new}
+    if generated != plain:
+        position = next(i for i, (a, b) in enumerate(zip(plain, generated)) if a != b)
+        wider = torch.float64 if ctx.dtype == torch.float32 else torch.float32
+        full = decoder_from_tensors(target_model.decoder.config,
+                                    {n: p.to(wider) for n, p in target_model.decoder.named_parameters()})
+        divergence = divergence_at(target_model.decoder, full, 0, [*prompt, *plain[:position]], position)
+        result["divergence"] = {**vars(divergence), "near_tie": divergence.near_tie}
+    result["pass"] = result["identical_to_plain"] or result["divergence"]["near_tie"]
+    return result
+
+
+CHECKS: dict[str, Callable[[Context], dict]] = {
+    "environment": environment,
+    "logits_vs_transformers": logits_vs_transformers,
+    "greedy_losslessness": greedy_losslessness,
+    "sampling_with_a_device_generator": sampling_with_a_device_generator,
+    "verification_cost": verification_cost,
+    "tokens_per_second": tokens_per_second,
+    "draft_step": draft_step,
+    "cuda_graphs": cuda_graphs,
+    "shard_path": shard_path,
+}

@@ -1,0 +1,127 @@
+"""What greedy losslessness means in bf16, measured.
+
+The verifier is exact: every token a verification pass emits is the argmax of the target's logits
+in that pass. In fp32/fp64 those logits equal a one-token step's, so speculative output is token
+for token plain decoding. In bf16 a pass over many tokens runs other kernels (other summation
+orders) than a one-token step and can round a logit differently, so the two outputs may part at a
+near-tie: a position where the target's top two logits are within bf16 rounding of each other.
+
+`measure_agreement` decodes each prompt plainly and speculatively (with an oracle drafter that
+proposes plain decoding's own continuation, so every pass is a many-token pass) and, where they
+first differ, measures the gap between the top two logits of a full-precision copy of the target
+at that position. The promise tested (tests/bench/test_greedy_agreement.py) and reported by
+bench/gpu_check.py: outputs agree except after such near-ties.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.model.llama import LlamaDecoder
+from actors.model.runner import ModelRunner
+from actors.target_worker import TargetWorker
+from speculators.proposers.base import TreeInput
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree, chain_parents
+
+Drafter = Callable[[list[int]], DraftTree]
+"""The whole sequence so far (prompt and output) -> a tree rooted at its last token."""
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    passes: int
+
+
+def decode(worker: TargetWorker, prompt: Sequence[int], new_tokens: int, drafter: Drafter | None = None,
+           seq_id: str = "greedy") -> Decoded:
+    """Greedy decoding through the target worker's verification pass (plain when `drafter` is None)."""
+    worker.start([(seq_id, list(prompt), SamplingParams())])
+    sequence, passes = list(prompt), 0
+    try:
+        while len(sequence) - len(prompt) < new_tokens:
+            tree = DraftTree.root_only(sequence[-1]) if drafter is None else drafter(sequence)
+            sequence += worker.verify([(seq_id, tree)])[0].new_tokens
+            passes += 1
+    finally:
+        worker.finish(seq_id)
+    return Decoded(sequence[len(prompt): len(prompt) + new_tokens], passes)
+
+
+def oracle_drafter(prompt_length: int, reference: Sequence[int], depth: int, width: int = 1,
+                   vocab_size: int = 0) -> Drafter:
+    """Proposes the next `depth` tokens of `reference` (plain decoding's output): a drafter that
+    always agrees with the target, as long as the output follows the reference. With `width` > 1
+    the tree also gets `width - 1` wrong first tokens as siblings (a tree, not a chain, to verify)."""
+    def propose(sequence: list[int]) -> DraftTree:
+        done = len(sequence) - prompt_length
+        good = list(reference[done: done + depth])
+        wrong = [[(good[0] + k) % vocab_size] for k in range(1, width)] if good else []
+        return DraftTree.from_paths(sequence[-1], [good, *wrong])
+    return propose
+
+
+@dataclass
+class Divergence:
+    prompt: int
+    position: int
+    """Index into the output of the first token that differs."""
+    top2_gap: float
+    """The full-precision target's top logit minus its second, at that position."""
+    rounding: float
+    """The largest difference between the target's logits and the full-precision copy's there."""
+
+    @property
+    def near_tie(self) -> bool:
+        """Whether rounding alone can swap the top two: each may move by `rounding`."""
+        return self.top2_gap <= 2 * self.rounding
+
+
+@dataclass
+class Agreement:
+    prompts: int
+    identical: int
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def match_rate(self) -> float:
+        return self.identical / self.prompts
+
+    def as_dict(self) -> dict:
+        return {"prompts": self.prompts, "identical": self.identical, "match_rate": self.match_rate,
+                "all_at_near_ties": all(d.near_tie for d in self.divergences),
+                "divergences": [{**vars(d), "near_tie": d.near_tie} for d in self.divergences]}
+
+
+def next_logits(model: LlamaDecoder, tokens: Sequence[int]) -> torch.Tensor:
+    """The model's next-token logits after `tokens` (one plain pass, float64)."""
+    runner = ModelRunner(model, 1, len(tokens) + 1)
+    runner.add("probe")
+    return runner.forward([TreeInput("probe", list(tokens), chain_parents(len(tokens)), logits="last")])[0][-1].double()
+
+
+def divergence_at(target: LlamaDecoder, full_precision: LlamaDecoder, prompt: int, tokens: Sequence[int],
+                  position: int) -> Divergence:
+    exact, rounded = next_logits(full_precision, tokens), next_logits(target, tokens)
+    first, second = torch.topk(exact, 2).values.tolist()
+    return Divergence(prompt, position, first - second, float((rounded.to(exact.device) - exact).abs().max()))
+
+
+def measure_agreement(target: LlamaDecoder, full_precision: LlamaDecoder, prompts: Sequence[Sequence[int]],
+                      new_tokens: int, depth: int = 4, width: int = 1) -> Agreement:
+    """Plain against oracle-drafted speculative greedy decoding of `target`, prompt by prompt."""
+    worker = TargetWorker(target, 1, max(len(p) for p in prompts) + new_tokens + depth + 1)
+    agreement = Agreement(len(prompts), 0)
+    for index, prompt in enumerate(prompts):
+        plain = decode(worker, prompt, new_tokens).tokens
+        speculative = decode(worker, prompt, new_tokens,
+                             oracle_drafter(len(prompt), plain, depth, width, target.config.vocab_size)).tokens
+        if speculative == plain:
+            agreement.identical += 1
+            continue
+        position = next(i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b)
+        agreement.divergences.append(divergence_at(target, full_precision, index, [*prompt, *plain[:position]], position))
+    return agreement

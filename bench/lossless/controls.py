@@ -1,0 +1,58 @@
+"""Negative controls: verifiers with a deliberate mistake, which the cases they concern must fail.
+
+Each mistake replaces one named step of speculators.verify for the duration of a run (in this
+process: the controls run on in-process engines), so the real verifier's code stays as it is and a
+control breaks exactly one rule.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from speculators import verify
+
+
+def _with_replacement(q: torch.Tensor, token: int) -> torch.Tensor:
+    """Siblings treated as if drawn with replacement: a rejected token stays in q."""
+    return q
+
+
+def _residual_not_renormalised(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """max(p - q, 0) left as it is (q a point mass on `token` when None)."""
+    point = torch.nn.functional.one_hot(torch.tensor(token), p.shape[-1]).to(p.dtype)
+    return (p - (point if q is None else q)).clamp_min(0)
+
+
+def _inverted_ratio(p_token: float, q_token: float) -> float:
+    """min(1, q/p) instead of min(1, p/q)."""
+    return 1.0 if p_token <= 0 else min(1.0, q_token / p_token)
+
+
+@dataclass(frozen=True)
+class Control:
+    name: str
+    replaces: dict[str, Callable]
+    """speculators.verify function name -> the faulty version."""
+    cases: tuple[str, ...]
+    """The cases whose trees the mistake touches: each must fail under it."""
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for name, faulty in self.replaces.items():
+                stack.enter_context(mock.patch.object(verify, name, faulty))
+            yield
+
+
+CONTROLS = [
+    Control("sampled tree verified as if drawn with replacement", {"_without": _with_replacement},
+            ("layer-skip-tree", "draft-tree")),
+    Control("residual not renormalised after a rejected sibling", {"_residual": _residual_not_renormalised},
+            ("draft-tree", "pld-tree")),
+    Control("draft token accepted with min(1, q/p)", {"_acceptance": _inverted_ratio},
+            ("pld-chain", "draft-chain", "layer-skip-chain")),
+]

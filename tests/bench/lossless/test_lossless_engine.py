@@ -1,0 +1,42 @@
+"""The fast subset of `specserve bench lossless`: a few cases through the real in-process engine,
+and every negative control caught. The full set (tens of thousands of samples a case, Ray cases
+included) is the command itself, and the slow test at the end."""
+from __future__ import annotations
+
+import pytest
+
+from bench.lossless.cases import CASES, CASES_BY_NAME
+from bench.lossless.controls import CONTROLS
+from bench.lossless.report import measure, sample_case
+from bench.lossless.stats import judge
+from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture, slow test only)
+
+FAST_CASES = ["pld-tree", "draft-tree", "mixed-batch-draft-tree", "draft-tree-pipelined", "suffix-tree-planned"]
+FAST_SAMPLES = 2_000
+
+
+@pytest.mark.parametrize("name", FAST_CASES)
+def test_sampled_sequences_follow_the_target(tiny_models, name):
+    groups, speculation = sample_case(CASES_BY_NAME[name], tiny_models, FAST_SAMPLES)
+    verdict = judge(groups)
+    assert verdict.passed, verdict
+    assert verdict.impossible == 0  # greedy requests of the mixed batch: all on the greedy path
+    assert speculation["accepted"] > 0.1 * FAST_SAMPLES  # drafts were accepted, not only rejected
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=lambda c: c.name)
+def test_a_verifier_with_a_deliberate_mistake_is_caught(tiny_models, control):
+    case = CASES_BY_NAME[control.cases[0]]
+    with control.applied():
+        groups, _ = sample_case(case, tiny_models, FAST_SAMPLES)
+    assert not judge(groups).passed  # the real verifier passes these seeds: the full set's same case
+
+
+@pytest.mark.slow
+def test_the_full_set(tiny_models, ray_four_gpus):
+    report = measure(CASES, tiny_models, scale=1.0, control_samples=10_000)
+    failed = [c for c in report["cases"] if not c["passed"]]
+    assert not failed, failed
+    assert all(control["caught"] for control in report["negative_controls"]), report["negative_controls"]
+    assert all(c["detectable_shift"] <= 0.01 for c in report["cases"] if c["core"])

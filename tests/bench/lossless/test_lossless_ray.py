@@ -1,0 +1,16 @@
+"""Sampled output through Ray: a tensor-parallel target (two shards, rank 0 verifies and broadcasts)
+with its drafter in a draft actor, on fake GPUs."""
+from __future__ import annotations
+
+from bench.lossless.cases import CASES_BY_NAME
+from bench.lossless.report import sample_case
+from bench.lossless.stats import judge
+from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture)
+
+
+def test_tp2_target_with_a_draft_actor_samples_the_targets_distribution(tiny_models, ray_four_gpus):
+    groups, speculation = sample_case(CASES_BY_NAME["ray-tp2-layer-skip-tree"], tiny_models, 2_000)
+    verdict = judge(groups)
+    assert verdict.passed and verdict.impossible == 0, verdict
+    assert speculation["accepted"] > 200

@@ -1,0 +1,178 @@
+"""The Serve app on CPU with a tiny model: the speculation-aware policy scales it from 1 to 2 replicas
+under load, every greedy answer stays right, a replica that dies mid-stream fails its in-flight
+requests cleanly while new ones succeed, and request bytes that do not parse are INVALID_ARGUMENT."""
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+from ray import serve
+
+from actors.model.loader import load_model
+from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.request import GenerationRequest
+from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc
+from tests.cluster.ray_fixtures import free_port
+from tests.conftest import IdTokenizer
+
+pytestmark = pytest.mark.default_model  # the tiny model directory borrows the default model's tokenizer
+APP = "scaling"
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40)), [5, 6, 5, 6, 5], [20, 21, 22, 23]]
+NEW_TOKENS = 48
+TARGET_ONGOING = 2
+AUTOSCALING = {
+    "min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 3600,
+    "look_back_period_s": 2, "metrics_interval_s": 0.5,
+    "policy": {"policy_function": "cluster.serve.autoscaling:SpeculationAwarePolicy",
+               "policy_kwargs": {"target_ongoing_requests": TARGET_ONGOING}},
+}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None, SchedulerConfig(max_len=128))
+    requests = [GenerationRequest(f"p{i}", p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    return [o.token_ids for o in engine.generate(requests)]
+
+
+@pytest.fixture(scope="module")
+def ports(tiny_model_dir, self_signed_cert):
+    """(gRPC port, HTTPS port) of the app; its HTTP proxy takes TLS from Serve's http_options."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        grpc_port, https_port = free_port(), free_port()
+        certfile, keyfile = self_signed_cert
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": https_port, "ssl_certfile": str(certfile),
+                                  "ssl_keyfile": str(keyfile)},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+        args = AppArgs.model_validate({
+            "cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", "max_sequences": 2, "max_len": 128},
+                        "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0},
+            "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64, "max_concurrent_requests": 16},
+        })
+        deployment = SpecServer.options(autoscaling_config=AUTOSCALING, max_ongoing_requests=16,
+                                        ray_actor_options={"num_cpus": 0.1})
+        serve.run(deployment.bind(args), name=APP, route_prefix="/")
+        try:
+            yield grpc_port, https_port
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def channel(ports):
+    channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
+    yield channel
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return specserve_pb2_grpc.SpecServeStub(channel)
+
+
+def running_replicas() -> int:
+    deployment = serve.status().applications[APP].deployments["SpecServer"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def request(index: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[index]), sampling=pb.Sampling(max_new_tokens=NEW_TOKENS))
+
+
+class Clients:
+    """Threads that stream greedy requests back to back until stopped, keeping every answer."""
+
+    def __init__(self, stub, count: int):
+        self.stub, self.stop, self.answers, self.errors = stub, threading.Event(), [], []
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, k: int) -> None:
+        n = k
+        while not self.stop.is_set():
+            index = n % len(PROMPTS)
+            try:
+                chunks = list(self.stub.GenerateStream(request(index), timeout=120))
+                self.answers.append((index, [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason))
+            except grpc.RpcError as error:
+                self.errors.append(error.code())
+            n += 1
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(180)
+
+
+def test_load_scales_one_replica_to_two_and_every_answer_stays_right(stub, expected):
+    assert running_replicas() == 1
+    clients = Clients(stub, 3 * TARGET_ONGOING)
+    try:
+        deadline = time.monotonic() + 240
+        while running_replicas() < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        scaled = running_replicas()
+        answered = len(clients.answers)
+        while len(clients.answers) < answered + 4 and time.monotonic() < deadline:  # both replicas serve
+            time.sleep(0.5)
+    finally:
+        clients.join()
+    assert scaled == 2
+    assert clients.errors == []
+    assert clients.answers and all(ids == expected[index] for index, ids, _ in clients.answers)
+
+
+def test_a_replica_that_dies_fails_its_streams_cleanly_and_new_requests_succeed(stub, expected):
+    clients = Clients(stub, 4)
+    try:
+        while not clients.answers:
+            time.sleep(0.2)
+        replicas = [name for name in ray.util.list_named_actors(all_namespaces=True)
+                    if "SERVE_REPLICA" in name["name"] and "SpecServer" in name["name"]]
+        victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+        ray.kill(victim, no_restart=True)
+        time.sleep(3)
+    finally:
+        clients.join()
+    # Serve's gRPC proxy (Ray 2.60) reports a stream whose replica died as INTERNAL, not UNAVAILABLE
+    assert set(clients.errors) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}, clients.errors
+    assert all(ids == expected[index] for index, ids, _ in clients.answers)  # nothing cut short or garbled
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            chunks = list(stub.GenerateStream(request(0), timeout=60))
+            break
+        except grpc.RpcError:
+            time.sleep(1)
+    assert [t for c in chunks for t in c.token_ids] == expected[0]
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_argument(channel):
+    raw = channel.unary_unary("/specserve.SpecServe/Generate")
+    good = request(0).SerializeToString()
+    with pytest.raises(grpc.RpcError) as refused:
+        raw(pb.GenerateRequest(text="AB").SerializeToString().replace(b"AB", b"\xff\xfe"), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request" in refused.value.details()
+    assert pb.GenerateResponse.FromString(raw(good, timeout=60)).token_ids  # the server is fine
+
+
+def test_http_is_served_over_tls_from_serves_own_options(ports, self_signed_cert):
+    context = ssl.create_default_context(cafile=str(self_signed_cert[0]))
+    connection = http.client.HTTPSConnection("localhost", ports[1], context=context, timeout=60)
+    connection.request("GET", "/v1/models")
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["data"][0]["object"] == "model"
+    connection.close()
