@@ -77,8 +77,11 @@ DRAFTERS = {
     "draft": {"method": "draft", "draft": "<draft model>"},
     "layer-skip": {"method": "draft", "draft": "layer-skip:1"},
     "suffix": {"method": "suffix", "suffix_decoding_max_spec_factor": 2.0},
+    "eagle3": {"method": "eagle3", "draft": "<eagle3 head>"},
+    "medusa": {"method": "medusa", "draft": "<medusa head>"},
 }
-"""EngineConfig fields of each drafter; '<draft model>' stands for the separate tiny draft's path."""
+"""EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>' and '<medusa head>' stand for
+the paths of the separate tiny draft and of the random heads (engines.PLACEHOLDERS)."""
 
 TREE = {"draft_width": 3}
 
@@ -102,6 +105,9 @@ CASES = [
     Case("layer-skip-chain", "layer-skip", CORE_SAMPLES, core=True),
     Case("layer-skip-tree", "layer-skip", CORE_SAMPLES, engine=TREE, core=True),
     Case("suffix-tree", "suffix"),
+    Case("eagle3-chain", "eagle3"),
+    Case("eagle3-tree", "eagle3", engine=TREE),
+    Case("medusa-tree", "medusa"),
     # the planner cutting trees (deterministic trees) and sizing drafts (a costly drafter)
     Case("pld-tree-planned", "pld-tree", planned=True, lookahead=CONFIDENCE),
     Case("suffix-tree-planned", "suffix", planned=True, lookahead=CONFIDENCE),
@@ -126,6 +132,7 @@ CASES = [
     Case("ray-tp2-layer-skip-tree", "layer-skip", engine={"draft_width": 2},
          deployment=Deployment(ray=True, tensor_parallel_size=2)),
     Case("ray-tp2-pld-tree", "pld-tree", deployment=Deployment(ray=True, tensor_parallel_size=2)),
+    Case("ray-tp2-eagle3-tree", "eagle3", engine=TREE, deployment=Deployment(ray=True, tensor_parallel_size=2)),
     Case("ray-draft-actors-pipelined", "draft", engine={**TREE, "pipeline": True},
          deployment=Deployment(ray=True, draft_actors=2)),
 ]

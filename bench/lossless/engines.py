@@ -48,8 +48,12 @@ class CaseRun:
     target_forwards: int
 
 
+PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir"}
+"""DRAFTERS values that stand for a folder of TinyModels (the attribute that writes it)."""
+
+
 def engine_config(case: Case, models: TinyModels) -> EngineConfig:
-    drafter = {key: str(models.draft_dir) if value == "<draft model>" else value
+    drafter = {key: str(getattr(models, PLACEHOLDERS[value])) if value in PLACEHOLDERS else value
                for key, value in DRAFTERS[case.drafter].items()}
     return EngineConfig(
         model=str(models.target_dir), max_sequences=BATCH, max_len=32, max_tree_nodes=MAX_TREE_NODES,

@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from bench.lossless.heads import write_eagle3, write_medusa
 from speculators.sampling import SamplingParams, warp
 
 VOCAB = 12
@@ -48,7 +49,8 @@ def save_with_tokenizer(model: LlamaForCausalLM, path: Path) -> Path:
 
 @dataclass
 class TinyModels:
-    """The target (2 layers; its first layer is the layer-skip draft) and a separate 1-layer draft."""
+    """The target (2 layers; its first layer is the layer-skip draft), a separate 1-layer draft, and
+    random EAGLE-3 and Medusa heads for the target (heads.py)."""
 
     root: Path
 
@@ -63,6 +65,14 @@ class TinyModels:
     @cached_property
     def draft_dir(self) -> Path:
         return save_with_tokenizer(tiny_llama(DRAFT_SEED, num_layers=1), self.root / "draft")
+
+    @cached_property
+    def eagle3_dir(self) -> Path:
+        return write_eagle3(self.reference.config, self.root / "eagle3")
+
+    @cached_property
+    def medusa_dir(self) -> Path:
+        return write_medusa(self.reference.config, self.root / "medusa")
 
     def distribution(self, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int) -> SequenceDistribution:
         return sequence_distribution(self.reference, prompt, sampling, new_tokens)
