@@ -29,6 +29,8 @@ HEAD_KINDS = {"eagle3": ("eagle3", "eagle"), "medusa": ("medusa",)}
 
 def trained_heads() -> list[str]:
     """Names of the heads committed with the project, as `--draft` takes them."""
+    if not TRAINED_HEADS.is_dir():
+        return []
     return sorted(p.name.replace("-", ":", 1) for p in TRAINED_HEADS.iterdir() if (p / "config.json").exists())
 
 

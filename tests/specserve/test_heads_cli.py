@@ -7,17 +7,30 @@ import json
 import pytest
 import torch
 
+from actors.model import heads
 from actors.model.heads import TRAINED_HEADS, resolve_head, trained_heads
 from speculators.heads.checkpoint import load_head
 from specserve.cli import main
 from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, random_medusa
 
 
-def test_trained_heads_are_found_by_name_and_by_the_method_alone(tmp_path):
-    names = trained_heads()
-    assert "eagle3:smollm2-135m" in names and "medusa:smollm2-135m" in names
-    assert resolve_head("eagle3", "eagle3:smollm2-135m", "smollm2-135m") == TRAINED_HEADS / "eagle3-smollm2-135m"
-    assert resolve_head("medusa", "layer-skip:6", "smollm2-135m") == TRAINED_HEADS / "medusa-smollm2-135m"
+def test_the_default_targets_trained_heads_are_committed():
+    assert {"eagle3:smollm2-135m", "medusa:smollm2-135m"} <= set(trained_heads())
+    for name in ("eagle3-smollm2-135m", "medusa-smollm2-135m"):
+        assert load_head(TRAINED_HEADS / name).kind == name.split("-")[0]
+        assert (TRAINED_HEADS / name / "card.json").exists()
+
+
+def test_trained_heads_are_found_by_name_and_by_the_method_alone(tmp_path, monkeypatch):
+    trained = tmp_path / "trained"
+    for name in ("eagle3-smollm2-135m", "medusa-smollm2-135m", "eagle3-unfinished"):
+        (trained / name).mkdir(parents=True)
+    for name in ("eagle3-smollm2-135m", "medusa-smollm2-135m"):
+        (trained / name / "config.json").write_text("{}")
+    monkeypatch.setattr(heads, "TRAINED_HEADS", trained)
+    assert trained_heads() == ["eagle3:smollm2-135m", "medusa:smollm2-135m"]
+    assert resolve_head("eagle3", "eagle3:smollm2-135m", "smollm2-135m") == trained / "eagle3-smollm2-135m"
+    assert resolve_head("medusa", "layer-skip:6", "smollm2-135m") == trained / "medusa-smollm2-135m"
     (tmp_path / "config.json").write_text("{}")
     assert resolve_head("eagle3", str(tmp_path), "smollm2-135m") == tmp_path
     with pytest.raises(FileNotFoundError, match="eagle3:smollm2-135m"):
