@@ -67,10 +67,24 @@ def default_model_path():
 def tiny_model_dir(tmp_path_factory, default_model_path):
     """A tiny random Llama saved as a Hugging Face directory (with the default model's tokenizer,
     which only decodes text here), for code paths that load models by path: Ray actors."""
+    _, reference = tiny_pair(dtype=torch.float32)
+    return _with_default_tokenizer(reference, tmp_path_factory.mktemp("tiny-llama"), default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, default_model_path):
+    """A tiny random Llama over the default model's whole vocabulary, with its tokenizer and chat
+    template: commands that encode text (specserve train) run end to end on it in seconds."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(default_model_path).vocab_size
+    _, reference = tiny_pair(dtype=torch.float32, vocab_size=vocab)
+    return _with_default_tokenizer(reference, tmp_path_factory.mktemp("tiny-chat-llama"), default_model_path)
+
+
+def _with_default_tokenizer(reference: LlamaForCausalLM, path, default_model_path):
     import shutil
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    _, reference = tiny_pair(dtype=torch.float32)
     reference.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (default_model_path / name).exists():

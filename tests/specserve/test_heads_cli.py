@@ -1,5 +1,5 @@
 """Heads from the command line: finding trained heads by name, converting public checkpoints, and
-`specserve train` end to end on the default target (a few answers, a few steps)."""
+`specserve train` end to end (a tiny target over the default tokenizer: a few answers, a few steps)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,11 @@ import json
 import pytest
 import torch
 
-from actors.model import heads
+from actors.model import heads as runtime_heads
 from actors.model.heads import TRAINED_HEADS, resolve_head, trained_heads
+from cluster.engine.build import build_engine
+from cluster.engine.config import EngineConfig
+from cluster.engine.request import GenerationRequest
 from speculators.heads.checkpoint import load_head
 from specserve.cli import main
 from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, random_medusa
@@ -27,7 +30,7 @@ def test_trained_heads_are_found_by_name_and_by_the_method_alone(tmp_path, monke
         (trained / name).mkdir(parents=True)
     for name in ("eagle3-smollm2-135m", "medusa-smollm2-135m"):
         (trained / name / "config.json").write_text("{}")
-    monkeypatch.setattr(heads, "TRAINED_HEADS", trained)
+    monkeypatch.setattr(runtime_heads, "TRAINED_HEADS", trained)
     assert trained_heads() == ["eagle3:smollm2-135m", "medusa:smollm2-135m"]
     assert resolve_head("eagle3", "eagle3:smollm2-135m", "smollm2-135m") == trained / "eagle3-smollm2-135m"
     assert resolve_head("medusa", "layer-skip:6", "smollm2-135m") == trained / "medusa-smollm2-135m"
@@ -49,25 +52,20 @@ def test_convert_head_rewrites_the_public_medusa_layout(tmp_path, capsys):
     assert torch.allclose(load_head(tmp_path / "vllm").module.double()(hidden), heads(hidden), atol=1e-6)
 
 
-@pytest.mark.default_model
-def test_train_writes_a_servable_head_and_its_card(tmp_path, capsys):
-    out = tmp_path / "head"
-    assert main(["train", "medusa", "--workdir", str(tmp_path / "work"), "--out", str(out), "--prompts", "8",
-                 "--max-new-tokens", "6", "--epochs", "1", "--batch-rows", "512", "--medusa-heads", "2",
-                 "--draft-vocab", "256", "--tree-size", "4"]) == 0
+def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path, capsys):
+    model, out = str(tiny_chat_model_dir), tmp_path / "head"
+    common = ["--model", model, "--workdir", str(tmp_path / "work"), "--out", str(out), "--epochs", "1",
+              "--medusa-heads", "2", "--draft-vocab", "256", "--tree-size", "4"]
+    assert main(["train", "medusa", *common, "--prompts", "8", "--max-new-tokens", "6", "--batch-rows", "512"]) == 0
     card = json.loads((out / "card.json").read_text())
     assert card["kind"] == "medusa" and card["steps"] >= 1 and len(card["medusa_choices"]) == 4
+    assert card["training_answers"] + card["held_out_answers"] == 8
     assert "held-out" in (out / "README.md").read_text()
-    again = main(["train", "medusa", "--workdir", str(tmp_path / "work"), "--out", str(out), "--no-generate",
-                  "--epochs", "1", "--medusa-heads", "2", "--draft-vocab", "256", "--tree-size", "4"])
-    assert again == 0 and "resuming" in capsys.readouterr().out  # the run folder's checkpoint is picked up
-    from cluster.engine.build import build_engine
-    from cluster.engine.config import EngineConfig
-
-    engine, tokenizer = build_engine(EngineConfig(method="medusa", draft=str(out), max_sequences=1, max_len=256))
-    from cluster.engine.request import GenerationRequest
-
-    plain, _ = build_engine(EngineConfig(method="none", max_sequences=1, max_len=256))
+    assert main(["train", "medusa", *common, "--no-generate"]) == 0
+    assert "resuming" in capsys.readouterr().out  # the run folder's checkpoint is picked up
+    engine, tokenizer = build_engine(EngineConfig(model=model, method="medusa", draft=str(out), max_sequences=1,
+                                                  max_len=256))
+    plain, _ = build_engine(EngineConfig(model=model, method="none", max_sequences=1, max_len=256))
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
     outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine)])[0] for e in (engine, plain)]
     assert outputs[0].token_ids == outputs[1].token_ids and outputs[0].stats.drafted > 0
