@@ -91,6 +91,9 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
     examples = store.read(layers)
     train_set = [e for e in examples if not e.held_out]
     held_out = [e for e in examples if e.held_out]
+    if not held_out:
+        raise ValueError(f"none of the {len(examples)} recorded answers is held out (one prompt in twenty is): "
+                         "record more prompts; the card reports held-out figures")
     responses = [e.tokens[e.prompt_length:] for e in train_set]
     vocabulary = frequent_tokens(responses, draft_vocab, target_config.vocab_size)
     embedding = load_tensors(model, ["model.embed_tokens.weight", "lm_head.weight"], device=config.device)

@@ -86,7 +86,7 @@ def _with_default_tokenizer(reference: LlamaForCausalLM, path, default_model_pat
     import shutil
 
     reference.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (default_model_path / name).exists():
             shutil.copy(default_model_path / name, path / name)
     return path
