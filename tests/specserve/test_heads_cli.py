@@ -13,6 +13,7 @@ from cluster.engine.build import build_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
 from speculators.heads.checkpoint import load_head
+from speculators.lookahead import LookaheadConfig
 from specserve.cli import main
 from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, random_medusa
 
@@ -67,5 +68,7 @@ def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path
                                                   max_len=256))
     plain, _ = build_engine(EngineConfig(model=model, method="none", max_sequences=1, max_len=256))
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
-    outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine)])[0] for e in (engine, plain)]
+    fixed = LookaheadConfig(policy="fixed", num_speculative_tokens=3)  # explicit: the planner would size drafts by timing
+    outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine, lookahead=fixed)])[0]
+               for e in (engine, plain)]
     assert outputs[0].token_ids == outputs[1].token_ids and outputs[0].stats.drafted > 0
