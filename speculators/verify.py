@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators.logprobs import TokenLogprob
 from speculators.sampling import SamplingParams, warp
 from speculators.tree import DraftTree
 
@@ -28,6 +29,8 @@ class VerifyResult:
     """The drafted tokens the target accepted (root excluded)."""
     next_token: int
     """The bonus token (after a fully accepted path) or the recovered token (after a rejection)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Each new token's log-probability and top alternatives, when the request asked for them."""
 
     @property
     def new_tokens(self) -> list[int]:

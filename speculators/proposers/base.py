@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 
@@ -33,6 +34,11 @@ class DraftRequest:
     """Where `token_ids` begins in the request's sequence. A proposer always gets the whole
     sequence (start 0); between the engine and a draft worker only the tokens committed since the
     last call travel, and the worker keeps the rest."""
+    penalties: Penalties | None = None
+    """The request's penalties: a drafter with a distribution applies them to it as the target
+    does at the same node, so its drafts are likely under the penalised target."""
+    prompt_length: int = 0
+    """Where the output begins in the request's sequence (penalties count output tokens)."""
 
 
 class Proposer(ABC):

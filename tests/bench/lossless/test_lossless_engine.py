@@ -12,7 +12,8 @@ from bench.lossless.stats import judge
 from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture, slow test only)
 
-FAST_CASES = ["pld-tree", "draft-tree", "mixed-batch-draft-tree", "draft-tree-pipelined", "suffix-tree-planned"]
+FAST_CASES = ["pld-tree", "draft-tree", "mixed-batch-draft-tree", "draft-tree-pipelined", "suffix-tree-planned",
+              "draft-tree-penalties", "draft-tree-grammar", "pld-tree-grammar-penalties"]
 FAST_SAMPLES = 2_000
 
 
