@@ -29,7 +29,9 @@ GREEDY = SamplingParams()
 FIXED = LookaheadConfig(policy="fixed", num_speculative_tokens=3)
 HEURISTIC = LookaheadConfig(policy="heuristic", initial_tokens=2)
 CONFIDENCE = LookaheadConfig(policy="confidence")
-PENALTIES = Penalties(presence=0.4, frequency=0.3, repetition=1.5)
+PENALTIES = Penalties(presence=1.5, frequency=1.0, repetition=2.0)
+"""Strong enough that a token drafted above a node changes its distribution a lot (what a verifier
+that forgets the drafted path gets wrong)."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,9 @@ CASES = [
          engine=TREE),
     Case("pld-tree-t0.8-k3", "pld-tree", groups=(RequestGroup(SamplingParams(0.8, top_k=3)),)),
     # penalties and a grammar, which change the target's distribution at every node given its path
-    Case("draft-tree-penalties", "draft", groups=(RequestGroup(penalties=PENALTIES),), engine=TREE),
-    Case("pld-tree-penalties", "pld-tree", groups=(RequestGroup(penalties=PENALTIES),)),
+    # (temperature 0.6: the likeliest first token is common enough to test what follows it on its own)
+    Case("draft-tree-penalties", "draft", groups=(RequestGroup(SamplingParams(0.6), penalties=PENALTIES),), engine=TREE),
+    Case("pld-tree-penalties", "pld-tree", groups=(RequestGroup(SamplingParams(0.6), penalties=PENALTIES),)),
     Case("draft-tree-grammar", "draft", groups=(RequestGroup(rule=ALTERNATION),), engine=TREE),
     Case("pld-tree-grammar-penalties", "pld-tree", groups=(
         RequestGroup(SamplingParams(0.8), penalties=PENALTIES, rule=ALTERNATION, share=0.9),

@@ -75,11 +75,13 @@ class RequestRules:
 
     def _walk(self, tree: DraftTree, visit: Callable[[int], None]) -> list[bool]:
         """Walk the matcher down every path of `tree` (depth first, rolling back on the way up),
-        calling `visit(node)` where it stands after each node the grammar allows; return, per node,
-        whether the grammar allows its token after its parent's path."""
+        calling `visit(node)` where it stands after each node the grammar allows (but a stop token);
+        return, per node, whether the grammar allows its token after its parent's path."""
         allowed = [True] + [False] * (tree.size - 1)
 
         def descend(node: int) -> None:
+            if self.matcher.terminated:  # it took a stop token: the request ends there, nothing follows
+                return
             visit(node)
             for kid in tree.children[node]:
                 if self.matcher.accept(tree.token_ids[kid]):

@@ -47,6 +47,11 @@ class GrammarMatcher:
     def rollback(self, tokens: int) -> None:
         self._matcher.rollback(tokens)
 
+    @property
+    def terminated(self) -> bool:
+        """It took a stop token: the output is complete and nothing may follow."""
+        return self._matcher.is_terminated()
+
     def fill(self, allowed: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of an int32 bitmask [n, words]."""
         self._matcher.fill_next_token_bitmask(allowed, row)

@@ -32,7 +32,7 @@ from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 RETRYABLE_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 SERVER_ERRORS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
 """What the server got wrong or could not do: logged as errors; every other status is a refusal."""

@@ -27,7 +27,7 @@ from cluster.serve.openai_schema import FINISH_REASONS, Call, ResponseShape, par
 from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 
 RETRY_AFTER_S = "1"
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 SampleEvents = AsyncIterator[tuple[int, StepEvent]]
 
 

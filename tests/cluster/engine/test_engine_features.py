@@ -75,10 +75,10 @@ def test_greedy_with_penalties_is_the_penalised_plain_decoding(tiny_model, kind,
 def test_penalties_make_sampled_output_repeat_less(tiny_model):
     """What OpenAI documents: positive presence and frequency penalties make repeated tokens rarer."""
     model, _ = tiny_model
-    prompts = [[3] * 12] * 8
+    prompts = [[token] * 12 for token in range(8)]
 
-    def repeats(penalties):
-        outputs = run(model, "pld", prompts, sampling=SamplingParams(1.0, seed=5), penalties=penalties)
+    def repeats(penalties):  # at temperature 0.3 this random model repeats itself
+        outputs = run(model, "pld", prompts, sampling=SamplingParams(0.3, seed=5), penalties=penalties)
         return sum(len(o.token_ids) - len(set(o.token_ids)) for o in outputs)
 
     assert repeats(Penalties(presence=2.0, frequency=2.0)) < repeats(None)

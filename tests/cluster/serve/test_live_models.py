@@ -3,6 +3,9 @@ prompt lookup, one plain), routed by the name a request gives, over gRPC and HTT
 Serve's proxies give for unknown models, unknown health services and refused requests."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import grpc
 import openai
 import pytest
@@ -14,10 +17,10 @@ from actors.model.loader import load_model
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
-from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
+from cluster.serve.app import AppArgs, SpecServer
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
-from tests.cluster.ray_fixtures import free_port
+from tests.cluster.ray_fixtures import channel, free_port, serve_on_local_ray  # noqa: F401  (channel: a fixture)
 from tests.conftest import IdTokenizer
 
 pytestmark = pytest.mark.default_model  # the tiny model directory borrows the default model's tokenizer
@@ -34,12 +37,8 @@ def expected(tiny_model_dir):
 @pytest.fixture(scope="module")
 def ports(tiny_model_dir):
     """(gRPC port, HTTP port) of an application serving 'tiny-pld' and 'tiny-plain'."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        grpc_port, http_port = free_port(), free_port()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+    grpc_port, http_port = free_port(), free_port()
+    with serve_on_local_ray(grpc_port, {"host": "127.0.0.1", "port": http_port}):
 
         def cluster(method: str) -> dict:
             return {"engine": {"model": str(tiny_model_dir), "method": method, "max_sequences": 2, "max_len": 128},
@@ -50,18 +49,7 @@ def ports(tiny_model_dir):
             "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64},
         })
         serve.run(SpecServer.options(ray_actor_options={"num_cpus": 0.1}).bind(args), name="models", route_prefix="/")
-        try:
-            yield grpc_port, http_port
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def channel(ports):
-    channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
-    yield channel
-    channel.close()
+        yield grpc_port, http_port
 
 
 def generate(channel, model: str) -> pb.GenerateResponse:
@@ -113,3 +101,28 @@ def test_app_args_name_models_one_way():
     with pytest.raises(ValueError, match="distinct"):
         AppArgs.model_validate({"models": [{"model_id": "a"}, {"model_id": "a"}]})
     assert [served.model_id for served in AppArgs().served()] == ["smollm2-135m"]
+
+
+def serve_logs() -> str:
+    """Everything the replicas and proxies of this Ray session have logged so far."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("*.log")))
+
+
+def test_a_refusal_is_logged_once_without_a_traceback(channel, ports):
+    stub = specserve_pb2_grpc.SpecServeStub(channel)
+    bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), model="tiny-pld", sampling=pb.Sampling(temperature=-1))
+    for call in (stub.Generate, lambda message, timeout: list(stub.GenerateStream(message, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as error:
+            call(bad, timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.value.details()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-pld", prompt=PROMPT, max_tokens=4, temperature=-1)
+    deadline = time.monotonic() + 10
+    while serve_logs().count("refused with") < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    logs = serve_logs()
+    assert logs.count("gRPC request refused with INVALID_ARGUMENT: temperature") == 2
+    assert logs.count("refused with 400") == 1
+    assert "Traceback" not in logs and "ERROR" not in logs

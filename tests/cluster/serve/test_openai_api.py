@@ -6,7 +6,6 @@ import inspect
 import itertools
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 
 from actors.model.loader import load_tokenizer
@@ -30,6 +28,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.serve.service import ServiceLimits, SpecService
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.serve.uvicorn_server import uvicorn_server
 from tests.conftest import tiny_pair
 
 pytestmark = pytest.mark.default_model
@@ -79,17 +78,8 @@ def served(default_model_path):
     service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
     app = FastAPI()
     app.include_router(build_openai_router(lambda: ServedModels([service])))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="openai-test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(service, loop, local_engine(model, tokenizer, None, config), port)
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_server(app, "openai-test-server") as port:
+        yield Served(service, loop, local_engine(model, tokenizer, None, config), port)
     loop.stop()
 
 
