@@ -52,3 +52,26 @@ def best_first_tree(root_token: int, root: State, total: int, expand: Expand, ma
         if depth < max_depth and own >= threshold:
             push(len(tokens) - 1, state, count, depth, -negative)
     return DraftTree(tokens, parents, confidence=confidences)
+
+
+def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
+    """One tree holding the paths of several trees of the same root (a node found by more than one
+    source keeps its highest confidence), cut to the `max_nodes` likeliest nodes by path
+    probability; the planner then keeps what pays."""
+    confidences: dict[tuple[int, ...], float] = {}
+    for tree in trees:
+        paths = {0: ()}
+        for node in range(1, tree.size):
+            paths[node] = paths[tree.parents[node]] + (tree.token_ids[node],)
+            confidences[paths[node]] = max(confidences.get(paths[node], 0.0), tree.confidence[node])
+    probability = {(): 1.0}
+    for path in sorted(confidences, key=len):
+        probability[path] = probability[path[:-1]] * confidences[path]
+    kept = sorted(sorted(confidences, key=lambda p: (-probability[p], len(p)))[:max_nodes], key=len)
+    tokens, parents, confidence, index = [trees[0].token_ids[0]], [-1], [1.0], {(): 0}
+    for path in kept:
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]])
+        confidence.append(confidences[path])
+    return DraftTree(tokens, parents, confidence=confidence)

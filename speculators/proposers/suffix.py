@@ -8,8 +8,8 @@ occurred before?":
 - a `SuffixTrie` over the outputs of earlier requests, shared by every request this proposer
   drafts for (a draft actor serves every target group of a replica and learns from all of them),
   bounded to `max_cached_tokens` tokens, oldest outputs evicted first.
-Each gives a tree of its likeliest continuations, taken best first by frequency; the one with the
-larger expected number of accepted tokens is proposed. A draft's size adapts to the evidence: at
+Each gives a tree of its likeliest continuations, taken best first by frequency; the two are
+merged into one tree (the planner keeps what pays). A draft's size adapts to the evidence: at
 most `max_spec_factor` tokens per matched token, nodes down to `min_token_prob`.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.proposers.continuations import best_first_tree
+from speculators.proposers.continuations import best_first_tree, merge_trees
 from speculators.proposers.prompt_lookup import MAX_OCCURRENCES, NgramIndex
 from speculators.tree import DraftTree
 
@@ -100,14 +100,6 @@ def _children(follows: list[list[int]]) -> Children:
     return children
 
 
-def expected_accepted(tree: DraftTree) -> float:
-    """Sum of path probabilities: the tree's expected accepted tokens if its confidences are right."""
-    probs = [1.0]
-    for node in range(1, tree.size):
-        probs.append(probs[tree.parents[node]] * tree.confidence[node])
-    return sum(probs[1:])
-
-
 class SuffixProposer(Proposer):
     name = "suffix"
     provides_probabilities = False
@@ -138,9 +130,8 @@ class SuffixProposer(Proposer):
         if request.num_speculative_tokens == 0 or request.max_nodes == 0:
             return DraftTree.root_only(root)
         self.on_accept(request.request_id, request.token_ids)
-        candidates = [self._from_own_text(request), self._from_outputs(request)]
-        return max((tree for tree in candidates if tree is not None), key=expected_accepted,
-                   default=DraftTree.root_only(root))
+        found = [tree for tree in (self._from_own_text(request), self._from_outputs(request)) if tree is not None]
+        return merge_trees(found, request.max_nodes) if found else DraftTree.root_only(root)
 
     def _tree(self, request: DraftRequest, root, total: int, expand, match_length: int) -> DraftTree:
         depth = min(request.num_speculative_tokens, max(1, int(self.max_spec_factor * match_length)))
@@ -153,7 +144,8 @@ class SuffixProposer(Proposer):
         for size in range(min(self.max_match, total - 1), 0, -1):
             earlier = [end for end in index.ends.get(tuple(tokens[total - size:]), []) if end < total]
             if earlier:
-                follows = [tokens[end:end + request.num_speculative_tokens] for end in earlier[-MAX_OCCURRENCES:]]
+                # most recent first: among equally frequent continuations, the latest wins (prompt lookup's rule)
+                follows = [tokens[end:end + request.num_speculative_tokens] for end in reversed(earlier[-MAX_OCCURRENCES:])]
                 children = _children(follows)
                 return self._tree(request, (), len(follows), lambda prefix: children.get(prefix, []), size)
         return None

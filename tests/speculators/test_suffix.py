@@ -52,3 +52,15 @@ def test_draft_size_adapts_to_the_match_length():
 def test_bad_suffix_parameters_are_refused():
     with pytest.raises(ValueError):
         SuffixProposer(max_depth=1)
+
+
+def test_merged_trees_keep_every_source_path_and_the_likeliest_nodes():
+    from speculators.proposers.continuations import merge_trees
+    from speculators.tree import DraftTree
+
+    own = DraftTree([9, 1, 2], [-1, 0, 1], confidence=[1.0, 0.9, 0.5])
+    learned = DraftTree([9, 1, 3, 4], [-1, 0, 1, 0], confidence=[1.0, 0.6, 0.8, 0.3])
+    merged = merge_trees([own, learned], max_nodes=3)
+    # path 1 keeps its higher confidence (0.9); 1->3 (0.72) and 1->2 (0.45) beat 4 (0.3)
+    assert merged.token_ids == [9, 1, 3, 2] and merged.parents == [-1, 0, 1, 1]
+    assert merged.confidence[1] == 0.9

@@ -118,7 +118,7 @@ def test_a_hung_drafter_costs_one_wait_then_plain_steps(tiny_model, plain):
     drafter = Blocking(DraftWorker(PromptLookupProposer), "propose")
     model = tiny_model[0]
     config = CONFIG.model_copy(update={"draft_timeout_s": 0.2})
-    engine = SpecEngine(LocalWorker(TargetWorker(model, 4, 256)), IdTokenizer(), [LocalWorker(drafter)], config,
+    engine = SpecEngine(LocalWorker(TargetWorker(model, 4, 256)), IdTokenizer(), [LocalWorker(drafter, threaded=True)], config,
                         vocab_size=64)
     try:
         outputs = engine.generate(requests())
@@ -147,7 +147,7 @@ def test_a_hung_verification_fails_the_group_and_it_is_rebuilt(tiny_model, plain
     model = tiny_model[0]
     hung = Blocking(TargetWorker(model, 4, 256), "verify")
     config = CONFIG.model_copy(update={"target_timeout_s": 0.3})
-    engine = SpecEngine(LocalWorker(hung), IdTokenizer(), [], config, vocab_size=64,
+    engine = SpecEngine(LocalWorker(hung, threaded=True), IdTokenizer(), [], config, vocab_size=64,
                         rebuild_target=lambda: LocalWorker(TargetWorker(model, 4, 256)))
     try:
         failed = engine.generate(requests("hung"))

@@ -11,30 +11,10 @@ from actors.model.loader import load_model
 from cluster.engine.config import EngineConfig
 from cluster.engine.build import local_engine
 from cluster.runtime.placement import ClusterSpec
-from cluster.engine.request import GenerationRequest
 from cluster.runtime.spec_cluster import SpecCluster
-from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
+from tests.cluster.runtime.cluster_requests import NEW_TOKENS, PROMPTS, expected, requests  # noqa: F401  (fixture)
 from tests.conftest import IdTokenizer
-
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
-NEW_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dir):
-    """Plain greedy decoding in this process: what every cluster output must equal."""
-    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
-    return [o.token_ids for o in engine.generate(requests())]
-
-
-SPECULATE = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
-"""Chosen per request, so the tiny draft drafts whatever the planner would make of its cost."""
-
-
-def requests(prefix="r", max_new_tokens=NEW_TOKENS):
-    return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=max_new_tokens, lookahead=SPECULATE)
-            for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +82,4 @@ def test_a_dead_target_shard_fails_its_requests_clearly_then_recovers(cluster, e
     assert cluster.target_groups[0] is not group  # rebuilt
     again = cluster.generate(requests("n"), timeout_s=120)
     assert [o.token_ids for o in again] == expected
+

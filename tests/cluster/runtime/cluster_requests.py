@@ -1,0 +1,29 @@
+"""Requests shared by the cluster test modules, and the plain decoding they must equal."""
+from __future__ import annotations
+
+import pytest
+
+from actors.model.loader import load_model
+from cluster.engine.build import local_engine
+from cluster.engine.request import GenerationRequest
+from speculators.lookahead import LookaheadConfig
+from tests.conftest import IdTokenizer
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    """Plain greedy decoding in this process: what every cluster output must equal."""
+    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
+    return [o.token_ids for o in engine.generate(requests())]
+
+
+SPECULATE = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
+"""Chosen per request, so the tiny draft drafts whatever the planner would make of its cost."""
+
+
+def requests(prefix="r", max_new_tokens=NEW_TOKENS):
+    return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=max_new_tokens, lookahead=SPECULATE)
+            for i, p in enumerate(PROMPTS)]
