@@ -53,7 +53,7 @@ class XGrammar:
         return self.compiler.compile_regex(spec)
 
     def matcher(self, compiled):
-        return self.xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        return self.xgr.GrammarMatcher(compiled)
 
     def fill(self, matcher) -> None:
         matcher.fill_next_token_bitmask(self.bitmask, 0)

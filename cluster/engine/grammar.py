@@ -36,7 +36,7 @@ class GrammarMatcher:
     """One request's position in its grammar: accepts tokens, rolls back, fills allowed-token rows."""
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, words: int):
-        self._matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self._matcher = xgrammar.GrammarMatcher(compiled)
         self.words = words
         """int32 words per allowed-token row."""
 
