@@ -53,7 +53,7 @@ class EngineConfig(SchedulerConfig):
 
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field(
-        "pld", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
+        "suffix", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
         "the request's own text and earlier outputs) or draft (a draft model)")
     draft: str = Field(
         "layer-skip:6",

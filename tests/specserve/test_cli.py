@@ -33,7 +33,8 @@ def test_engine_options_take_their_defaults_from_the_engine_config_and_accept_vl
     from specserve.cli import build_parser
 
     parser = build_parser()
-    default = engine_config_from_args(parser.parse_args(["generate", "x"]), "pld")
+    args = parser.parse_args(["generate", "x"])
+    default = engine_config_from_args(args, args.method)
     assert default.model_dump(exclude={"max_sequences"}) == EngineConfig().model_dump(exclude={"max_sequences"})
     named = engine_config_from_args(parser.parse_args(
         ["generate", "x", "--num-speculative-tokens", "6", "--prompt-lookup-num-tokens", "4", "--confidence-threshold", "0.1"]))
