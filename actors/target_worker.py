@@ -15,8 +15,10 @@ import torch
 from actors.model.llama import LlamaDecoder
 from actors.model.runner import ModelRunner
 from actors.model.timing import time_passes
+from speculators.logprobs import committed_logprobs
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
+from speculators.shaping import Shaping
 from speculators.tree import DraftTree, chain_parents
 from speculators.verify import VerifyResult, verify, verify_greedy
 
@@ -48,7 +50,9 @@ class TargetWorker:
     def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
         """Admit requests and prefill every prompt token but the last (the first tree's root).
 
-        Returns the prefilled tokens' hidden states per request when `hidden_layers` asks for them."""
+        Requests admitted together with the same prompt (the `n` samples of one call) share one
+        prefill: the first is run, the others get a copy of its K/V. Returns the prefilled tokens'
+        hidden states per request when `hidden_layers` asks for them."""
         for seq_id, prompt, sampling in requests:
             if not prompt:
                 raise ValueError(f"request {seq_id!r} has an empty prompt")
@@ -57,23 +61,37 @@ class TargetWorker:
             self.runner.add(seq_id)
             generator = None if sampling.greedy else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
-        inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none") for s, p, _ in requests]
+        first_of: dict[tuple[int, ...], str] = {}
+        for seq_id, prompt, _ in requests:
+            first_of.setdefault(tuple(prompt), seq_id)
+        inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none")
+                  for s, p, _ in requests if first_of[tuple(p)] == s]
         _, hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
         for item in inputs:
             self.runner.commit(item.seq_id, range(len(item.token_ids)))
+        for seq_id, prompt, _ in requests:
+            if first_of[tuple(prompt)] != seq_id:
+                self.runner.copy_sequence(first_of[tuple(prompt)], seq_id)
         if not self._sends_hidden:
             return None
-        return {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden) if rows is not None}
+        rows_of = {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden) if rows is not None}
+        return {seq_id: rows_of[first_of[tuple(prompt)]] for seq_id, prompt, _ in requests
+                if first_of[tuple(prompt)] in rows_of}
 
     @property
     def _sends_hidden(self) -> bool:
         return bool(self.hidden_layers) and self.model.comm.rank == 0
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
-        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id)) for seq_id, tree in batch]
+    def verify(self, batch: Sequence[tuple[str, DraftTree] | tuple[str, DraftTree, Shaping | None]]
+               ) -> list[VerifyResult | RequestFailed]:
+        """Each item is (request id, tree) or (request id, tree, Shaping): a request's penalties,
+        grammar mask and logprobs for this pass."""
+        items = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in batch]
+        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id, shaping))
+                  for seq_id, tree, shaping in items]
         all_logits, all_hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
-        results = self._decide(batch, all_logits)
-        for (seq_id, _), result, rows in zip(batch, results, all_hidden):
+        results = self._decide(items, all_logits)
+        for (seq_id, _, _), result, rows in zip(items, results, all_hidden):
             if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
                 self.runner.truncate(seq_id, self.runner.committed_length(seq_id))
                 continue
@@ -82,20 +100,25 @@ class TargetWorker:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
         return results
 
-    def _wanted(self, seq_id: str) -> str:
-        """A greedy request needs only the target's choice at each node; a sampled one its logits."""
-        return "argmax" if self._sampling[seq_id][0].greedy else "all"
+    def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:
+        """A plain greedy request needs only the target's choice at each node; a sampled one, or one
+        whose distribution is shaped or whose logprobs are wanted, its logits."""
+        return "argmax" if self._sampling[seq_id][0].greedy and shaping is None else "all"
 
-    def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor) -> VerifyResult | RequestFailed:
+    def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor,
+                    shaping: Shaping | None) -> VerifyResult | RequestFailed:
         """One request's decision; what it raises fails that request alone, not its neighbours."""
         try:
-            if self._wanted(seq_id) == "argmax":
+            if self._wanted(seq_id, shaping) == "argmax":
                 return verify_greedy(tree, scores.tolist())
-            return verify(tree, scores, *self._sampling[seq_id])
+            result = verify(tree, scores if shaping is None else shaping.apply(tree, scores), *self._sampling[seq_id])
+            if shaping is not None and shaping.logprobs is not None:
+                result.logprobs = committed_logprobs(scores, result.accepted_nodes, result.new_tokens, shaping.logprobs)
+            return result
         except Exception as error:
             return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
 
-    def _decide(self, batch: Sequence[tuple[str, DraftTree]],
+    def _decide(self, batch: Sequence[tuple[str, DraftTree, Shaping | None]],
                 all_logits: list[torch.Tensor]) -> list[VerifyResult | RequestFailed]:
         """Run the verifier on rank 0 only and give its results to every rank.
 
@@ -108,7 +131,8 @@ class TargetWorker:
         outcome: list[VerifyResult] | str | None = None
         if comm.rank == 0:
             try:
-                outcome = [self._verify_one(seq_id, tree, logits) for (seq_id, tree), logits in zip(batch, all_logits)]
+                outcome = [self._verify_one(seq_id, tree, logits, shaping)
+                           for (seq_id, tree, shaping), logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")
                 raise

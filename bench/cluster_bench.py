@@ -4,7 +4,12 @@ For each concurrency level, N Spec-Bench prompts run at once through one cluster
 speculation off (plain decoding on the same actors) and on (the engine's defaults: the planner
 sizes every draft). Each round runs both settings back to back, alternating which goes first, so
 that drifts in machine load hit both alike; the report keeps each setting's median tokens/s over
-the rounds, and checks that every greedy output is identical across settings and rounds.
+the rounds.
+
+No prompt runs twice: the draft actors learn every finished output (suffix decoding's index of
+earlier outputs), so a prompt seen before would be drafted from its own answer. Each run takes the
+next questions of the set (tasks in turn); afterwards every speculative run's prompts are decoded
+once more with speculation off, untimed, and the outputs must be identical.
 """
 from __future__ import annotations
 
@@ -54,24 +59,46 @@ def run_setting(cluster, prompts: list[list[int]], speculate: bool, max_new_toke
             "mean_accepted_tokens": mean_accepted_tokens(tokens, forwards), "token_ids": [o.token_ids for o in outputs]}
 
 
-def measure_level(cluster, prompts: list[list[int]], rounds: int, max_new_tokens: int) -> dict:
+class PromptPool:
+    """Hands out prompts never handed out before."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self.prompts, self.used = prompts, 0
+
+    def take(self, count: int) -> list[list[int]]:
+        if self.used + count > len(self.prompts):
+            raise SystemExit(f"cluster-bench: {len(self.prompts)} questions are too few for these levels and rounds "
+                             "(each run needs prompts of its own); use fewer --rounds or --concurrency levels")
+        self.used += count
+        return self.prompts[self.used - count:self.used]
+
+
+def measure_level(cluster, pool: PromptPool, level: int, rounds: int, max_new_tokens: int) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for round_index in range(rounds):
         order = SETTINGS if round_index % 2 == 0 else SETTINGS[::-1]
         for name in order:
-            runs[name].append(run_setting(cluster, prompts, name == "speculative", max_new_tokens))
+            prompts = pool.take(level)
+            runs[name].append({**run_setting(cluster, prompts, name == "speculative", max_new_tokens), "prompts": prompts})
             print(f"  round {round_index + 1}/{rounds} {name}: {runs[name][-1]['tokens_per_s']:.2f} tokens/s", flush=True)
     plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
     speculative = statistics.median(r["tokens_per_s"] for r in runs["speculative"])
-    reference = runs["plain"][0]["token_ids"]
     return {
         "speedup": round(speculative / plain, 3),
         "plain_tokens_per_s": round(plain, 2),
         "speculative_tokens_per_s": round(speculative, 2),
         "mean_accepted_tokens": round(statistics.median(r["mean_accepted_tokens"] for r in runs["speculative"]), 3),
         "rounds": {name: [round(r["tokens_per_s"], 2) for r in results] for name, results in runs.items()},
-        "outputs_identical": all(r["token_ids"] == reference for results in runs.values() for r in results),
+        "speculative_runs": runs["speculative"],
     }
+
+
+def identical_to_plain(cluster, level_report: dict, max_new_tokens: int) -> bool:
+    """Decode the speculative runs' prompts with speculation off (untimed); outputs must match."""
+    runs = level_report.pop("speculative_runs")
+    prompts = [p for run in runs for p in run["prompts"]]
+    plain = run_setting(cluster, prompts, False, max_new_tokens)["token_ids"]
+    return plain == [ids for run in runs for ids in run["token_ids"]]
 
 
 def markdown(report: dict) -> str:
@@ -84,8 +111,8 @@ def markdown(report: dict) -> str:
     config = report["config"]
     drafters = "drafter co-located with the target" if config.get("colocate") else f"{config['draft_actors']} draft actor(s)"
     head = (f"Cluster bench: TP={config['tensor_parallel']}, {drafters} ({config['method']}), "
-            f"{config['max_new_tokens']} new tokens, medians of {config['rounds']} interleaved rounds; greedy outputs "
-            f"identical across settings and rounds: {report['outputs_identical']}")
+            f"{config['max_new_tokens']} new tokens, medians of {config['rounds']} interleaved rounds, every run on "
+            f"questions of its own; speculative outputs identical to plain decoding: {report['outputs_identical']}")
     return head + "\n\n" + "\n".join(rows) + f"\n\nCommand: `{report['command']}`\n"
 
 
@@ -101,18 +128,21 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address="local", num_gpus=args.fake_gpus, include_dashboard=False)
     tokenizer = load_tokenizer(args.model)
     questions = load_questions(args.questions)
-    step = max(1, len(questions) // max(levels))
-    prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions[::step][: max(levels)]]
+    needed = 2 * args.rounds * sum(levels) + 2
+    prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions[:needed]]
+    pool = PromptPool(prompts)
     engine = engine_config_from_args(args, args.method, max_sequences=max(levels))
     spec = ClusterSpec(engine=engine, tensor_parallel_size=args.tensor_parallel, num_draft_actors=args.draft_actors,
                        colocate_drafter=args.colocate)
     cluster = SpecCluster(spec).start()
     by_level = {}
     try:
-        run_setting(cluster, prompts[:2], True, 8)  # warm-up
+        run_setting(cluster, pool.take(2), True, 8)  # warm-up
         for level in levels:
             print(f"concurrency {level}", flush=True)
-            by_level[str(level)] = measure_level(cluster, prompts[:level], args.rounds, args.max_new_tokens)
+            by_level[str(level)] = measure_level(cluster, pool, level, args.rounds, args.max_new_tokens)
+        for report in by_level.values():
+            report["outputs_identical"] = identical_to_plain(cluster, report, args.max_new_tokens)
     finally:
         cluster.shutdown()
     report = {

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from cluster.engine.request import GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
 from cluster.serve import grpc_api
+from cluster.serve.models import ModelNotFound, ServedModels
 from cluster.serve.openai_schema import parse_call
 from cluster.serve.service import InvalidRequest, ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
@@ -60,6 +61,9 @@ def build_target(tokenizer) -> FuzzTarget:
 # ---- strategies ----------------------------------------------------------------------------------
 
 SURROGATES = ["\ud800", "a\udfff b"]
+RESPONSE_FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "yaml"}, {"type": "json_schema"},
+                    {"type": "json_schema", "json_schema": {"name": "digit", "schema": {"enum": [1, 2, 3]}}},
+                    {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}]
 
 
 def _strategies():
@@ -110,7 +114,10 @@ def http_bodies(chat: bool):
         "stop": _text(18) | st.lists(_text(18), max_size=5),
         "stream": st.booleans(), "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
         "speculation": speculation,
-        "n": st.sampled_from([1, 2]), "logprobs": st.sampled_from([False, 0, 3]), "user": st.text(max_size=8),
+        "n": st.sampled_from([1, 2]), "logprobs": st.sampled_from([False, True, 0, 3]), "user": st.text(max_size=8),
+        "top_logprobs": st.integers(-1, 21), "best_of": st.integers(0, 3),
+        "presence_penalty": _numbers(-3, 3), "frequency_penalty": _numbers(-3, 3), "repetition_penalty": _numbers(-0.5, 3),
+        "response_format": st.sampled_from(RESPONSE_FORMATS),
     }
     if chat:
         required = {"messages": messages}
@@ -132,6 +139,8 @@ def grpc_messages():
         "max_new_tokens": st.integers(0, 9) | uint32, "temperature": _numbers(0, 2).map(_float32) | floats,
         "top_k": st.integers(0, 60_000) | uint32, "top_p": _numbers(-0.1, 1.1).map(_float32) | floats,
         "seed": st.integers(0, 2**64 - 1), "stop": st.lists(st.text(max_size=24), max_size=6),
+        "presence_penalty": _numbers(-3, 3).map(_float32), "repetition_penalty": _numbers(-0.5, 3).map(_float32),
+        "logprobs": st.integers(0, 25),
     }).map(lambda fields: pb.Sampling(**fields))
     speculation = st.fixed_dictionaries({}, optional={
         "method": st.sampled_from(["", "default", "off", "pld", "draft"]),
@@ -184,11 +193,14 @@ def check_refusal(error: InvalidRequest) -> None:
 
 def check_http_body(target: FuzzTarget, body: bytes, chat: bool, request_id: str = "fuzz") -> None:
     try:
-        call = parse_call(body, target.service, chat, request_id)
+        call = parse_call(body, ServedModels([target.service]), chat, request_id)
     except InvalidRequest as error:
         check_refusal(error)
         return
-    check_request(target, call.request)
+    except ModelNotFound:  # a refusal naming the model, by construction
+        return
+    for request in call.samples.requests:
+        check_request(target, request)
 
 
 def check_grpc_message(target: FuzzTarget, data: bytes, request_id: str = "fuzz") -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\tspecserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.specserve.ChatMessage\"\xa6\x01\n\x08Sampling\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf0\x01\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tlookahead\x18\x02 \x01(\t\x12\'\n\x16max_speculative_tokens\x18\x03 \x01(\rB\x02\x18\x01H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x19\n\x17_max_speculative_tokensB\x17\n\x15_confidence_thresholdB\x19\n\x17_num_speculative_tokens\"\xd2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.specserve.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.specserve.ChatMessagesH\x00\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.specserve.Sampling\x12+\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x16.specserve.SpeculationB\x08\n\x06prompt\"\x8b\x01\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x03 \x01(\x02\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x02\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_detail\x18\x06 \x01(\t\"\x8a\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rfinish_detail\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12speculation_method\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.specserve.ModelInfo2\xe5\x01\n\tSpecServe\x12\x43\n\x08Generate\x12\x1a.specserve.GenerateRequest\x1a\x1b.specserve.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.specserve.GenerateRequest\x1a\x18.specserve.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.specserve.ListModelsRequest\x1a\x1d.specserve.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\tspecserve\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.specserve.ChatMessage\"\xec\x02\n\x08Sampling\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xf0\x01\n\x0bSpeculation\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tlookahead\x18\x02 \x01(\t\x12\'\n\x16max_speculative_tokens\x18\x03 \x01(\rB\x02\x18\x01H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x42\x19\n\x17_max_speculative_tokensB\x17\n\x15_confidence_thresholdB\x19\n\x17_num_speculative_tokens\"\x99\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.specserve.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.specserve.ChatMessagesH\x00\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.specserve.Sampling\x12+\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x16.specserve.Speculation\x12\r\n\x05model\x18\x06 \x01(\t\x12\x36\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1b.specserve.StructuredOutputB\x08\n\x06prompt\"\xa3\x01\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x1c\n\x14mean_accepted_tokens\x18\x03 \x01(\x02\x12\x17\n\x0ftarget_forwards\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x02\x12\x16\n\x0egrammar_pruned\x18\x06 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.specserve.TopLogprob\"\xcf\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_detail\x18\x06 \x01(\t\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.specserve.TokenLogprob\"\xb5\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specserve.SpeculationStats\x12\x15\n\rfinish_detail\x18\x05 \x01(\t\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.specserve.TokenLogprob\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12speculation_method\x18\x02 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.specserve.ModelInfo2\xe5\x01\n\tSpecServe\x12\x43\n\x08Generate\x12\x1a.specserve.GenerateRequest\x1a\x1b.specserve.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.specserve.GenerateRequest\x1a\x18.specserve.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.specserve.ListModelsRequest\x1a\x1d.specserve.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=108
   _globals['_CHATMESSAGES']._serialized_end=164
   _globals['_SAMPLING']._serialized_start=167
-  _globals['_SAMPLING']._serialized_end=333
-  _globals['_SPECULATION']._serialized_start=336
-  _globals['_SPECULATION']._serialized_end=576
-  _globals['_GENERATEREQUEST']._serialized_start=579
-  _globals['_GENERATEREQUEST']._serialized_end=789
-  _globals['_SPECULATIONSTATS']._serialized_start=792
-  _globals['_SPECULATIONSTATS']._serialized_end=931
-  _globals['_GENERATERESPONSE']._serialized_start=934
-  _globals['_GENERATERESPONSE']._serialized_end=1098
-  _globals['_GENERATECHUNK']._serialized_start=1101
-  _globals['_GENERATECHUNK']._serialized_end=1239
-  _globals['_LISTMODELSREQUEST']._serialized_start=1241
-  _globals['_LISTMODELSREQUEST']._serialized_end=1260
-  _globals['_MODELINFO']._serialized_start=1262
-  _globals['_MODELINFO']._serialized_end=1313
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1315
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1373
-  _globals['_SPECSERVE']._serialized_start=1376
-  _globals['_SPECSERVE']._serialized_end=1605
+  _globals['_SAMPLING']._serialized_end=531
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=533
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=580
+  _globals['_SPECULATION']._serialized_start=583
+  _globals['_SPECULATION']._serialized_end=823
+  _globals['_GENERATEREQUEST']._serialized_start=826
+  _globals['_GENERATEREQUEST']._serialized_end=1107
+  _globals['_SPECULATIONSTATS']._serialized_start=1110
+  _globals['_SPECULATIONSTATS']._serialized_end=1273
+  _globals['_TOPLOGPROB']._serialized_start=1275
+  _globals['_TOPLOGPROB']._serialized_end=1337
+  _globals['_TOKENLOGPROB']._serialized_start=1339
+  _globals['_TOKENLOGPROB']._serialized_end=1439
+  _globals['_GENERATERESPONSE']._serialized_start=1442
+  _globals['_GENERATERESPONSE']._serialized_end=1649
+  _globals['_GENERATECHUNK']._serialized_start=1652
+  _globals['_GENERATECHUNK']._serialized_end=1833
+  _globals['_LISTMODELSREQUEST']._serialized_start=1835
+  _globals['_LISTMODELSREQUEST']._serialized_end=1854
+  _globals['_MODELINFO']._serialized_start=1856
+  _globals['_MODELINFO']._serialized_end=1907
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1909
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1967
+  _globals['_SPECSERVE']._serialized_start=1970
+  _globals['_SPECSERVE']._serialized_end=2199
 # @@protoc_insertion_point(module_scope)

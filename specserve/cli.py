@@ -11,6 +11,8 @@ import sys
 import uuid
 from typing import get_args
 
+from pydantic import ValidationError
+
 from cluster.engine.build import add_engine_arguments, build_engine, encode_prompt, engine_config_from_args
 from cluster.engine.config import EngineConfig, Method
 from cluster.engine.request import GenerationRequest
@@ -18,9 +20,9 @@ from speculators.sampling import SamplingParams
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # refused before loading
     config = engine_config_from_args(args, args.method)
     engine, tokenizer = build_engine(config)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     request = GenerationRequest(
         uuid.uuid4().hex, encode_prompt(tokenizer, args.prompt, args.chat), sampling,
         args.max_new_tokens, args.stop or [], args.method != "none",
@@ -66,7 +68,7 @@ def cmd_convert_head(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, fuzz, ray_overhead, soak, specbench
+    from bench import cluster_bench, cost_curve, fuzz, grammar_engines, ray_overhead, soak, specbench
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -109,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
     lossless.add_arguments(proof)
     proof.set_defaults(func=lossless.run)
+    grammars = bench_sub.add_parser("grammar-engines", help="xgrammar against llguidance: compile, mask and rollback "
+                                    "times for structured output", formatter_class=defaults)
+    grammar_engines.add_arguments(grammars)
+    grammars.set_defaults(func=grammar_engines.run)
 
     convert = sub.add_parser("convert-head", formatter_class=defaults,
                              help="rewrite a head checkpoint (Medusa's public layout, EAGLE-3 in the EAGLE "
@@ -147,9 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, FileNotFoundError)
+"""What a user's options or files cause (a bad value, a missing model, unreadable weights): reported
+in one line, without a traceback. pydantic's ValidationError and WeightsError are ValueErrors."""
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as error:
+        parser.exit(2, f"{parser.prog}: error: {_one_line(error)}\n")
 
 
 if __name__ == "__main__":

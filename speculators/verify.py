@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculators.logprobs import TokenLogprob
 from speculators.sampling import SamplingParams, warp
 from speculators.tree import DraftTree
 
@@ -31,6 +32,8 @@ class VerifyResult:
     hidden: torch.Tensor | None = None
     """The target's hidden states of `accepted_nodes` when its drafter reads them (set by the
     target worker after the decision, on rank 0 only)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Each new token's log-probability and top alternatives, when the request asked for them."""
 
     @property
     def new_tokens(self) -> list[int]:

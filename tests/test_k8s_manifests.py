@@ -37,7 +37,7 @@ CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
 GPU_EXAMPLE = CONFIG_DIR / "gpu-llama3-8b-tp2-draft1b.yaml"
 IMPORT_PATH = "cluster.serve.app:build_app"
 ROUTER = "SpecServer"
-ARGS_FIELDS = {"cluster", "limits", "model_id"}  # cluster.serve.app.AppArgs, which forbids anything else
+ARGS_FIELDS = {"cluster", "limits", "model_id", "models"}  # cluster.serve.app.AppArgs, which forbids anything else
 GPU_RESOURCE = "nvidia.com/gpu"
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 1 MB each

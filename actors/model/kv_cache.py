@@ -55,3 +55,8 @@ class KVCache:
         end = start + len(offsets)
         for store in (self.keys, self.values):
             store[:, slot, :, start:end] = store[:, slot].index_select(2, source)
+
+    def copy(self, source: int, destination: int, length: int) -> None:
+        """Copy the first `length` positions of slot `source` into slot `destination`, in every layer."""
+        for store in (self.keys, self.values):
+            store[:, destination, :, :length] = store[:, source, :, :length]

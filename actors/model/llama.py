@@ -51,12 +51,13 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     `(W @ x.T).T` reads the weights at memory speed for 2 to 4 rows (1 row takes a slower
     matrix-vector path, so it is padded to 2), and oneDNN's linear is fastest past 4 rows (16 rows
     for 2.2x one row). This is what makes a verification pass of many tokens cost little more than
-    one decode step. On CUDA, plain F.linear.
+    one decode step. oneDNN only gets contiguous weights: on a strided one (a tensor-parallel column
+    slice) it takes a reference path about 1000x slower. On CUDA, plain F.linear.
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows > SMALL_ROWS and ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES:
+    if rows > SMALL_ROWS and ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES and weight.is_contiguous():
         return ONEDNN_LINEAR(x.contiguous(), weight, bias)
     if rows == 1:
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])

@@ -150,6 +150,14 @@ class ModelRunner:
         state.length += len(nodes)
         self._clear_scratch(state)
 
+    def copy_sequence(self, source: str, destination: str) -> None:
+        """Give `destination` (added, empty) a copy of `source`'s committed K/V: a shared prefill."""
+        state, copied = self._sequences[source], self._sequences[destination]
+        if copied.length or copied.scratch_parents:
+            raise ValueError(f"sequence {destination!r} is not empty")
+        self.cache.copy(state.slot, copied.slot, state.length)
+        copied.length = state.length
+
     def truncate(self, seq_id: str, length: int) -> None:
         state = self._sequences[seq_id]
         if not 0 <= length <= state.length:

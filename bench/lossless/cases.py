@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speculators.lookahead import LookaheadConfig
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
 
 PROMPT = (1, 2, 7, 11, 1, 2, 9, 0, 1, 2, 3, 0, 1, 2)
@@ -28,6 +29,30 @@ GREEDY = SamplingParams()
 FIXED = LookaheadConfig(policy="fixed", num_speculative_tokens=3)
 HEURISTIC = LookaheadConfig(policy="heuristic", initial_tokens=2)
 CONFIDENCE = LookaheadConfig(policy="confidence")
+PENALTIES = Penalties(presence=1.5, frequency=1.0, repetition=2.0)
+"""Strong enough that a token drafted above a node changes its distribution a lot (what a verifier
+that forgets the drafted path gets wrong)."""
+
+
+@dataclass(frozen=True)
+class Alternation:
+    """A grammar over the tiny vocabulary: output tokens alternate between two sets, `first` first.
+
+    The engine gets it as a regular expression over the tokens' texts ('t<i>'), compiled by the
+    grammar engine; the reference applies it as this rule, token by token, so the two are written
+    independently.
+    """
+
+    first: tuple[int, ...]
+    second: tuple[int, ...]
+
+    def regex(self) -> str:
+        first, second = (f"t({'|'.join(map(str, tokens))})" for tokens in (self.first, self.second))
+        return f"({first}{second})*({first})?"
+
+    def allowed(self, position: int) -> tuple[int, ...]:
+        """Tokens allowed at output position `position` (0-based)."""
+        return self.second if position % 2 else self.first
 
 
 @dataclass(frozen=True)
@@ -39,6 +64,9 @@ class RequestGroup:
     new_tokens: int = 4
     share: float = 1.0
     """Fraction of the case's requests."""
+    penalties: Penalties | None = None
+    rule: Alternation | None = None
+    """A grammar the output must follow (structured output)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,11 @@ def _mixed_batch() -> tuple[RequestGroup, ...]:
     )
 
 
+ALTERNATION = Alternation(first=(0, 1, 2, 3, 10, 11), second=(1, 2, 4, 5, 6, 7, 8, 9))
+"""Overlapping sets, one- and two-digit tokens ('t1' is a prefix of 't10' and 't11'): what a
+tokenizer-aware grammar engine must get right. Prompt lookup's drafts break it often."""
+
+
 CASES = [
     # every drafter, as a chain and as a tree with several children
     Case("pld-chain", "pld", CORE_SAMPLES, core=True),
@@ -125,6 +158,14 @@ CASES = [
     Case("layer-skip-tree-t1.3-k6-p0.9", "layer-skip", groups=(RequestGroup(SamplingParams(1.3, top_k=6, top_p=0.9)),),
          engine=TREE),
     Case("pld-tree-t0.8-k3", "pld-tree", groups=(RequestGroup(SamplingParams(0.8, top_k=3)),)),
+    # penalties and a grammar, which change the target's distribution at every node given its path
+    # (temperature 0.6: the likeliest first token is common enough to test what follows it on its own)
+    Case("draft-tree-penalties", "draft", groups=(RequestGroup(SamplingParams(0.6), penalties=PENALTIES),), engine=TREE),
+    Case("pld-tree-penalties", "pld-tree", groups=(RequestGroup(SamplingParams(0.6), penalties=PENALTIES),)),
+    Case("draft-tree-grammar", "draft", groups=(RequestGroup(rule=ALTERNATION),), engine=TREE),
+    Case("pld-tree-grammar-penalties", "pld-tree", groups=(
+        RequestGroup(SamplingParams(0.8), penalties=PENALTIES, rule=ALTERNATION, share=0.9),
+        RequestGroup(GREEDY, penalties=PENALTIES, rule=ALTERNATION, share=0.1))),
     # a mixed batch, and pipelining
     Case("mixed-batch-draft-tree", "draft", 40_000, groups=_mixed_batch(), engine={"draft_width": 2}),
     Case("draft-tree-pipelined", "draft", engine={**TREE, "pipeline": True}),

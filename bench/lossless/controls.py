@@ -1,19 +1,21 @@
 """Negative controls: verifiers with a deliberate mistake, which the cases they concern must fail.
 
-Each mistake replaces one named step of speculators.verify for the duration of a run (in this
-process: the controls run on in-process engines), so the real verifier's code stays as it is and a
-control breaks exactly one rule.
+Each mistake replaces one named step of speculators.verify (or of speculators.shaping) for the
+duration of a run (in this process: the controls run on in-process engines), so the real
+verifier's code stays as it is and a control breaks exactly one rule.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from unittest import mock
 
 import torch
 
-from speculators import verify
+from speculators import shaping, verify
+from speculators.tree import DraftTree
 
 
 def _with_replacement(q: torch.Tensor, token: int) -> torch.Tensor:
@@ -32,19 +34,25 @@ def _inverted_ratio(p_token: float, q_token: float) -> float:
     return 1.0 if p_token <= 0 else min(1.0, q_token / p_token)
 
 
+def _paths_ignored(tree: DraftTree) -> list[list[int]]:
+    """Penalties at every node counted as at the root: the drafted tokens above a node forgotten."""
+    return [[] for _ in range(tree.size)]
+
+
 @dataclass(frozen=True)
 class Control:
     name: str
     replaces: dict[str, Callable]
-    """speculators.verify function name -> the faulty version."""
+    """Function name in `module` -> the faulty version."""
     cases: tuple[str, ...]
     """The cases whose trees the mistake touches: each must fail under it."""
+    module: ModuleType = verify
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         with ExitStack() as stack:
             for name, faulty in self.replaces.items():
-                stack.enter_context(mock.patch.object(verify, name, faulty))
+                stack.enter_context(mock.patch.object(self.module, name, faulty))
             yield
 
 
@@ -55,4 +63,6 @@ CONTROLS = [
             ("draft-tree", "pld-tree")),
     Control("draft token accepted with min(1, q/p)", {"_acceptance": _inverted_ratio},
             ("pld-chain", "draft-chain", "layer-skip-chain")),
+    Control("penalties at every tree node counted without the drafted tokens above it", {"path_tokens": _paths_ignored},
+            ("pld-tree-penalties", "draft-tree-penalties"), shaping),
 ]

@@ -21,6 +21,7 @@ from bench.lossless.target import VOCAB, TinyModels
 from cluster.engine.build import build_proposer, local_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.cost import CostCurve, CostPoint
+from cluster.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationOutput, GenerationRequest
 
 BATCH = 512
@@ -61,20 +62,32 @@ def engine_config(case: Case, models: TinyModels) -> EngineConfig:
     )
 
 
-def requests(case: Case, samples: int) -> list[tuple[int, GenerationRequest]]:
+def requests(case: Case, samples: int, models: TinyModels) -> list[tuple[int, GenerationRequest]]:
     """(group index, request) for `samples` requests, the groups interleaved so every batch mixes them."""
+    grammars = group_grammars(case, models)
     seed_base = zlib.crc32(case.name.encode()) * 1_000_000
     counts = [round(samples * group.share) for group in case.groups]
     order = sorted((i / count, g) for g, count in enumerate(counts) for i in range(count))
-    return [(g, _request(f"{case.name}-{i}", case.groups[g], seed_base + i)) for i, (_, g) in enumerate(order)]
+    return [(g, _request(f"{case.name}-{i}", case.groups[g], seed_base + i, grammars[g])) for i, (_, g) in enumerate(order)]
 
 
-def _request(request_id: str, group: RequestGroup, seed: int) -> GenerationRequest:
-    return GenerationRequest(request_id, list(group.prompt), replace(group.sampling, seed=seed), group.new_tokens)
+def group_grammars(case: Case, models: TinyModels) -> list[CompiledGrammar | None]:
+    """Each request group's grammar (its rule as a regular expression) compiled for the tiny
+    tokenizer by the grammar engine the service uses; None for groups without one."""
+    if all(group.rule is None for group in case.groups):
+        return [None] * len(case.groups)
+    compiler = GrammarCompiler(load_tokenizer(models.target_dir), VOCAB, [])
+    return [None if group.rule is None else compiler.compile(GrammarSpec("regex", group.rule.regex()))
+            for group in case.groups]
+
+
+def _request(request_id: str, group: RequestGroup, seed: int, grammar: CompiledGrammar | None) -> GenerationRequest:
+    return GenerationRequest(request_id, list(group.prompt), replace(group.sampling, seed=seed), group.new_tokens,
+                             penalties=group.penalties, grammar=grammar)
 
 
 def run_case(case: Case, models: TinyModels, samples: int) -> CaseRun:
-    batch = requests(case, samples)
+    batch = requests(case, samples, models)
     deployment = on_ray if case.deployment.ray else in_process
     outputs = []
     with deployment(case, models) as generate:

@@ -41,7 +41,8 @@ def sample_case(case: Case, models: TinyModels, samples: int) -> tuple[list[Grou
     """The case's samples per request group, and what the engine did while drawing them."""
     began = time.perf_counter()
     run = run_case(case, models, samples)
-    groups = [GroupSample(counts, models.distribution(group.prompt, group.sampling, group.new_tokens))
+    groups = [GroupSample(counts, models.distribution(group.prompt, group.sampling, group.new_tokens,
+                                                      group.penalties, group.rule))
               for counts, group in zip(run.counts, case.groups)]
     speculation = {"seconds": round(time.perf_counter() - began, 1), "drafted": run.drafted,
                    "accepted": sum(run.accepted_by_depth), "accepted_by_depth": run.accepted_by_depth,

@@ -13,13 +13,15 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
 
 from bench.lossless.heads import write_eagle3, write_medusa
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams, warp
 
 VOCAB = 12
@@ -74,8 +76,9 @@ class TinyModels:
     def medusa_dir(self) -> Path:
         return write_medusa(self.reference.config, self.root / "medusa")
 
-    def distribution(self, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int) -> SequenceDistribution:
-        return sequence_distribution(self.reference, prompt, sampling, new_tokens)
+    def distribution(self, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int,
+                     penalties: Penalties | None = None, rule: TokenRule | None = None) -> SequenceDistribution:
+        return sequence_distribution(self.reference, prompt, sampling, new_tokens, penalties, rule)
 
 
 @dataclass
@@ -105,17 +108,46 @@ class SequenceDistribution:
 
 
 def sequence_distribution(
-    model: LlamaForCausalLM, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int
+    model: LlamaForCausalLM, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int,
+    penalties: Penalties | None = None, rule: TokenRule | None = None,
 ) -> SequenceDistribution:
     """One causal forward over every prompt + (L - 1)-token continuation gives every conditional;
-    each is warped exactly as the engine's verifier warps the target's logits."""
+    each is penalised, masked by the rule and warped as the request's features define (penalties on
+    raw logits, then the grammar's mask, then temperature, top-k and top-p)."""
     vocab = model.config.vocab_size
     continuations = torch.tensor(list(itertools.product(range(vocab), repeat=new_tokens - 1))).reshape(-1, new_tokens - 1)
     inputs = torch.cat([torch.tensor(prompt).expand(len(continuations), -1), continuations], dim=1)
     with torch.no_grad():
         logits = model(inputs).logits[:, len(prompt) - 1:]  # [V^(L-1), L, V]
+    if penalties is not None:
+        logits = _penalised(logits, inputs, len(prompt), penalties)
+    if rule is not None:
+        for position in range(new_tokens):
+            banned = torch.ones(vocab, dtype=torch.bool)
+            banned[list(rule.allowed(position))] = False
+            logits[:, position, banned] = float("-inf")
     probs = warp(logits, sampling).double().numpy().reshape((vocab,) * (new_tokens - 1) + (new_tokens, vocab))
     # the conditional after x_1..x_t is the same whatever follows x_t: read it where they are all 0
     return SequenceDistribution([
         probs[(slice(None),) * depth + (0,) * (new_tokens - 1 - depth) + (depth,)] for depth in range(new_tokens)
     ])
+
+
+class TokenRule(Protocol):
+    """A grammar as the reference applies it: the tokens allowed at each output position."""
+
+    def allowed(self, position: int) -> tuple[int, ...]: ...
+
+
+def _penalised(logits: torch.Tensor, inputs: torch.Tensor, prompt_length: int, penalties: Penalties) -> torch.Tensor:
+    """Every position's logits penalised for the sequence before it: transformers' repetition
+    penalty over prompt and output, then OpenAI's frequency and presence penalties over the output."""
+    logits = logits.clone()
+    outputs = inputs[:, prompt_length:]
+    for position in range(logits.shape[1]):
+        if penalties.repetition != 1:
+            processor = RepetitionPenaltyLogitsProcessor(penalties.repetition)
+            logits[:, position] = processor(inputs[:, :prompt_length + position], logits[:, position])
+        counts = torch.nn.functional.one_hot(outputs[:, :position], logits.shape[-1]).sum(1).to(logits.dtype)
+        logits[:, position] -= penalties.frequency * counts + penalties.presence * (counts > 0).to(logits.dtype)
+    return logits

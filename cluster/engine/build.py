@@ -69,7 +69,7 @@ def local_engine(
     cost_key: str | None = None,
     cuda_graphs: bool = False,
 ) -> SpecEngine:
-    """An engine whose target and drafter run in this process (each on its own thread).
+    """An engine whose target and drafter run in this process, in the caller's thread (see LocalWorker).
 
     `cost` turns on the planner's draft sizing: a CostCurve to use, or True to measure the target's
     (read from the cache under `cost_key` when there).

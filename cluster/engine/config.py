@@ -55,7 +55,7 @@ class EngineConfig(SchedulerConfig):
 
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field(
-        "pld", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
+        "suffix", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
         "the request's own text and earlier outputs), draft (a draft model), or a trained head reading the "
         "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint) or medusa")
     draft: str = Field(

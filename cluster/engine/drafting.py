@@ -33,7 +33,8 @@ def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig,
         nodes = min(config.max_tree_nodes, share, room)
         if depth > 0 and nodes > 0:
             drafts.append(DraftRequest(request.request_id, list(state.tokens), depth, nodes,
-                                       state.policy.confidence_threshold, request.sampling))
+                                       state.policy.confidence_threshold, request.sampling,
+                                       penalties=request.penalties, prompt_length=len(request.prompt_ids)))
     return drafts
 
 

@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.engine.stats import RequestStats
+from speculators.logprobs import TokenLogprob
 from speculators.lookahead import LookaheadConfig
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.engine.grammar import CompiledGrammar
 
 
 @dataclass
@@ -20,6 +26,11 @@ class GenerationRequest:
     lookahead: LookaheadConfig | None = None
     """None: the engine's default."""
     arrival_time: float = field(default_factory=time.perf_counter)
+    penalties: Penalties | None = None
+    logprobs: int | None = None
+    """Alternatives wanted at each output position (0: the chosen token's log-probability only); None: none."""
+    grammar: CompiledGrammar | None = None
+    """What the output must match (structured output); None: anything."""
 
 
 @dataclass
@@ -36,6 +47,8 @@ class GenerationOutput:
     """Why the request failed (finish_reason 'error'); such errors are retryable."""
     finish_detail: str | None = None
     """Which limit ended a 'length' output: max_new_tokens, or the context window (max_len)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token, when the request asked for them."""
 
     @classmethod
     def refused(cls, request: GenerationRequest, reason: str) -> GenerationOutput:

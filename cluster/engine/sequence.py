@@ -6,10 +6,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from cluster.engine.constraints import RequestRules
 from cluster.engine.planner import RequestAcceptance
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.stats import RequestStats
 from cluster.engine.text import OutputText
+from speculators.logprobs import TokenLogprob
 from speculators.lookahead import LookaheadPolicy
 
 
@@ -63,13 +65,19 @@ class ActiveRequest:
     finish_reason: str | None = None
     finish_detail: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per output token, when the request asks for them."""
+    rules: RequestRules | None = None
+    """Its penalties, grammar and logprobs (None: it asks for none)."""
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
-    def append(self, tokens: list[int], eos_token_ids: Collection[int], max_len: int) -> tuple[list[int], str]:
-        """Commit accepted tokens up to EOS, max_new_tokens, the context window or a stop string.
+    def append(self, tokens: list[int], eos_token_ids: Collection[int], max_len: int,
+               logprobs: list[TokenLogprob] | None = None) -> tuple[list[int], str]:
+        """Commit accepted tokens (with their `logprobs`, when the request wants them) up to EOS,
+        max_new_tokens, the context window or a stop string.
 
         Returns the tokens kept and the text now safe to send.
         """
@@ -91,10 +99,13 @@ class ActiveRequest:
         before = len(self.output)
         self.output.extend(new)
         self.tokens.extend(new)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[:len(new)])
         update = self.text.add(new)
         if update.stopped:  # the text ends before a stop string: drop the tokens past it
             excess = len(self.output) - len(self.text.tokens)
             del self.output[len(self.output) - excess:], self.tokens[len(self.tokens) - excess:]
+            del self.logprobs[len(self.output):]
             self.finish_reason = "stop"
         return self.output[before:], update.text
 
@@ -104,4 +115,5 @@ class ActiveRequest:
     def final_output(self) -> GenerationOutput:
         seconds = time.perf_counter() - self.started
         return GenerationOutput(self.request_id, self.output, self.text.text(), self.finish_reason,
-                                self.stats, seconds, self.error, self.finish_detail)
+                                self.stats, seconds, self.error, self.finish_detail,
+                                None if self.request.logprobs is None else self.logprobs)

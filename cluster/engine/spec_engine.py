@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from actors.target_worker import RequestFailed
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
+from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import SentTokens, draft_requests
 from cluster.engine.planner import Planned, Planner, path_probabilities
@@ -37,6 +38,7 @@ from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
 from cluster.engine.tree_check import tree_problem
 from speculators.hidden import PendingHidden
+from speculators.logprobs import TokenLogprob
 from speculators.lookahead import make_policy
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
@@ -64,6 +66,8 @@ class StepEvent:
     finished: GenerationOutput | None = None
     text: str = ""
     """Output text now safe to send (held back while it could still become a stop string)."""
+    logprobs: list[TokenLogprob] | None = None
+    """The new tokens' log-probabilities, when the request asked for them."""
 
 
 class SpecEngine:
@@ -173,6 +177,7 @@ class SpecEngine:
                                   sizes.index(min(sizes)), OutputText(self.tokenizer, request.stop),
                                   list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
+            state.rules = RequestRules.of(request)
             self.active[request.request_id] = state
         return [] if start is not None else self._target_failed(refused)
 
@@ -239,6 +244,15 @@ class SpecEngine:
                         request_id, problem)
         return problem is None
 
+    @staticmethod
+    def _pruned(state: ActiveRequest, tree: DraftTree) -> DraftTree:
+        """The tree without drafted tokens the request's grammar rules out (counted in its stats)."""
+        if state.rules is None:
+            return tree
+        tree, pruned = state.rules.prune(tree)
+        state.stats.grammar_pruned += pruned
+        return tree
+
     def _plan(self, states: list[ActiveRequest], trees: list[DraftTree]) -> list[DraftTree]:
         """Trees cut to what pays this step (all of them verified as drafted without a planner)."""
         if self.planner is None:
@@ -282,9 +296,10 @@ class SpecEngine:
             return []
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
         trees_by_id = self._collect_draft(pending)
-        trees = self._plan(states, [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states])
+        drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
+        trees = self._plan(states, [self._pruned(s, t) for s, t in zip(states, drafted)])
         began = time.perf_counter()
-        verify = self.target.submit("verify", [(s.request_id, t) for s, t in zip(states, trees)])
+        verify = self.target.submit("verify", [_verify_item(s, t) for s, t in zip(states, trees)])
         if self.config.pipeline:
             other = (group + 1) % self._num_groups
             others = [s for s in self.active.values() if s.group == other]
@@ -318,11 +333,17 @@ class SpecEngine:
             acceptance.observe(tree, result.accepted_nodes)
         if result.hidden is not None:
             self._hidden.add(state.request_id, len(state.tokens) - 1, result.hidden)
-        new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len)
+        new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len, result.logprobs)
         self.counters.tokens += len(new)
         if state.finish_reason:
-            return self._finished_event(state, new, text)
-        return StepEvent(state.request_id, new, text=text)
+            event = self._finished_event(state, new, text)
+        else:
+            if state.rules is not None:
+                state.rules.commit(new)
+            event = StepEvent(state.request_id, new, text=text)
+        if state.request.logprobs is not None:
+            event.logprobs = state.logprobs[len(state.logprobs) - len(new):]
+        return event
 
     def _target_failed(self, error: Exception) -> list[StepEvent]:
         """Every active request lived in the failed group's caches: end them, rebuild the group."""
@@ -402,6 +423,13 @@ class SpecEngine:
                 if event.finished:
                     done[event.request_id] = event.finished
         return [done[request_id] for request_id in order]
+
+
+def _verify_item(state: ActiveRequest, tree: DraftTree) -> tuple:
+    """What the target verifies for one request: its tree, and the step's Shaping when it has rules."""
+    if state.rules is None:
+        return state.request_id, tree
+    return state.request_id, tree, state.rules.shaping(tree, state.tokens)
 
 
 def _tell(worker: Worker, method: str, *args) -> None:

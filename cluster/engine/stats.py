@@ -24,6 +24,8 @@ class RequestStats:
     verify_seconds: float = 0.0
     queue_seconds: float = 0.0
     time_to_first_token: float | None = None
+    grammar_pruned: int = 0
+    """Drafted tokens the request's grammar ruled out before verification (not counted in `drafted`)."""
 
     def record(self, drafted_depths: Sequence[int], accepted: int) -> None:
         """One verification pass: the depth of every drafted node (root excluded) and how many were accepted."""

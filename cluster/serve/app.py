@@ -1,7 +1,8 @@
 """The Ray Serve application: one deployment, `SpecServer`, reachable over gRPC and OpenAI-style HTTP.
 
-Each replica of `SpecServer` owns one SpecCluster (its target groups and draft actors, placed on
-their own GPU sets) and serves it through the same SpecService for both protocols: the gRPC
+Each replica of `SpecServer` owns one SpecCluster per served model (its target groups and draft
+actors, placed on their own GPU sets) and serves each through one SpecService for both protocols,
+routed by the model a request names (models.py): the gRPC
 methods below (names match protos/specserve.proto; Serve's gRPC proxy routes an RPC to the method
 of the same name) and the FastAPI routes of openai_api.py. Scaling the deployment scales
 target groups; `record_autoscaling_stats` feeds autoscaling.py's policy.
@@ -21,110 +22,158 @@ from ray import serve
 
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
+from cluster.engine.request import GenerationRequest
 from cluster.serve.grpc_api import (
-    WorkerFailed, checked, metadata_value, options_from, response_message, stats_message, status_of,
+    WorkerFailed, checked, chunk_message, metadata_value, options_from, response_message, status_of,
 )
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
+from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 RETRYABLE_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+SERVER_ERRORS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+"""What the server got wrong or could not do: logged as errors; every other status is a refusal."""
 GRPC_SERVICERS = [
     "cluster.serve.grpc_api.add_SpecServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
 
+class ServedModel(BaseModel):
+    """One model of an application that serves several, under the name clients use for it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(min_length=1, description="name clients use for the model")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="what each replica runs for it and where")
+
+
 class AppArgs(BaseModel):
-    """The `args` of the application in a Serve config file."""
+    """The `args` of the application in a Serve config file: one model (`cluster`, `model_id`), or
+    several (`models`), routed by the name a request gives."""
 
     model_config = ConfigDict(extra="forbid")
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="what each replica runs and where")
     limits: ServiceLimits = Field(default_factory=ServiceLimits, description="request limits and the API key")
     model_id: str | None = Field(None, description="name clients use for the model (default: the engine's model)")
+    models: list[ServedModel] = Field(
+        default_factory=list, description="several models, each with its own cluster, routed by the request's "
+        "`model` (instead of cluster and model_id)")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_models(self) -> AppArgs:
+        if self.models and {"cluster", "model_id"} & self.model_fields_set:
+            raise ValueError("give either models or cluster (and model_id), not both")
+        ids = [served.model_id for served in self.served()]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model ids must be distinct: {ids}")
+        return self
 
     @model_validator(mode="after")
     def _requests_fit_the_context_window(self) -> AppArgs:
         """Checked when the app starts: otherwise the longest allowed prompt asking for the most
         tokens would be cut short by the context window, not by the limit the client was told."""
-        limits, max_len = self.limits, self.cluster.engine.max_len
-        if limits.max_prompt_tokens + limits.max_new_tokens > max_len:
-            raise ValueError(
-                f"limits.max_prompt_tokens ({limits.max_prompt_tokens}) + limits.max_new_tokens "
-                f"({limits.max_new_tokens}) must be <= cluster.engine.max_len ({max_len})")
+        limits = self.limits
+        for served in self.served():
+            max_len = served.cluster.engine.max_len
+            if limits.max_prompt_tokens + limits.max_new_tokens > max_len:
+                raise ValueError(
+                    f"limits.max_prompt_tokens ({limits.max_prompt_tokens}) + limits.max_new_tokens "
+                    f"({limits.max_new_tokens}) must be <= cluster.engine.max_len ({max_len}) of {served.model_id}")
         return self
 
+    def served(self) -> list[ServedModel]:
+        """Every model this application serves."""
+        return self.models or [ServedModel(model_id=self.model_id or self.cluster.engine.model, cluster=self.cluster)]
 
-def current_service() -> SpecService:
-    """The service of the replica handling this request. Found through Serve's replica context,
+
+def current_models() -> ServedModels:
+    """The models of the replica handling this request. Found through Serve's replica context,
     not a module global: Serve pickles the ingress class and app by value, with copies of globals."""
-    return serve.get_replica_context().servable_object.service
+    return serve.get_replica_context().servable_object.models
 
 
 http_app = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible API")
-http_app.include_router(build_openai_router(current_service))
+http_app.include_router(build_openai_router(current_models))
+HEALTH_SERVICES = ("", "specserve.SpecServe")
+"""What grpc.health.v1.Health/Check knows: the whole server ("") and its service; others are NOT_FOUND."""
 
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=30, health_check_period_s=10)
 @serve.ingress(http_app)
 class SpecServer:
     def __init__(self, args: AppArgs):
-        self.cluster = SpecCluster(args.cluster).start()
-        engine = args.cluster.engine
         self.metrics = ServingMetrics()
-        self.service = SpecService(
-            self.cluster.loops, self.cluster.tokenizer, args.model_id or engine.model, engine.method,
-            engine.lookahead, args.limits, observer=self.metrics,
-        )
+        self.clusters, services = [], []
+        for served in args.served():
+            cluster = SpecCluster(served.cluster).start()
+            self.clusters.append(cluster)
+            engine = served.cluster.engine
+            services.append(SpecService(cluster.loops, cluster.tokenizer, served.model_id, engine.method,
+                                        engine.lookahead, args.limits, observer=self.metrics))
+        self.models = ServedModels(services)
         self._sampler = asyncio.get_event_loop().create_task(self._sample_forever())
+
+    @property
+    def loops(self) -> list:
+        """Every engine loop of every model."""
+        return [loop for cluster in self.clusters for loop in cluster.loops]
 
     async def _sample_forever(self) -> None:
         while True:
-            self.metrics.sample(self.cluster.loops)
+            self.metrics.sample(self.loops)
             await asyncio.sleep(SAMPLE_PERIOD_S)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom metrics for SpeculationAwarePolicy (ongoing, queued, tokens_per_step)."""
-        return self.metrics.sample(self.cluster.loops)
+        return self.metrics.sample(self.loops)
 
     def engine_state(self) -> dict[str, int]:
         """Requests held by this replica's engines (operators and tests: a cancelled stream frees its slot)."""
         return {
-            "active": sum(len(loop.engine.active) for loop in self.cluster.loops),
-            "waiting": sum(loop.engine.queue_depth for loop in self.cluster.loops),
-            "in_flight": self.service.in_flight,
+            "active": sum(len(loop.engine.active) for loop in self.loops),
+            "waiting": sum(loop.engine.queue_depth for loop in self.loops),
+            "in_flight": sum(service.in_flight for service in self.models),
         }
 
     def cost_curves(self) -> list[list[dict] | None]:
         """Each target group's measured verification cost curve (None: the planner is off), for
         operators: `serve.get_deployment_handle("SpecServer", app).cost_curves.remote()`."""
-        return [None if loop.engine.planner is None else loop.engine.planner.cost.to_json() for loop in self.cluster.loops]
+        return [None if loop.engine.planner is None else loop.engine.planner.cost.to_json() for loop in self.loops]
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loops died."""
-        dead = [loop for loop in self.cluster.loops if not loop.alive]
+        dead = [loop for loop in self.loops if not loop.alive]
         if dead:
             raise RuntimeError(f"{len(dead)} engine loops stopped")
 
     def __del__(self):
-        cluster = getattr(self, "cluster", None)
-        if cluster is not None:
+        for cluster in getattr(self, "clusters", ()):
             cluster.shutdown()
 
     # ---- gRPC -----------------------------------------------------------------------------------
 
-    def _request(self, message: pb.GenerateRequest, grpc_context):
-        self.service.authorize(metadata_value(grpc_context, "authorization"))
-        return self.service.build_request(options_from(checked(message)))
+    def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
+        self.models.authorize(metadata_value(grpc_context, "authorization"))
+        message = checked(message)
+        service = self.models.resolve(message.model)
+        return service, service.build_request(options_from(message))
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:
+        """Answer with the error's status. Only a bug (INTERNAL) is logged with its traceback; a failed
+        worker (UNAVAILABLE, retryable) is a warning, and a refusal is logged once, at INFO."""
         code = status_of(error)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("gRPC request failed", exc_info=error)
+        elif code in SERVER_ERRORS:
+            log.warning("gRPC request failed with %s: %s", code.name, error)
+        else:
+            log.info("gRPC request refused with %s: %s", code.name, error)
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(str(error))
@@ -133,44 +182,54 @@ class SpecServer:
 
     async def Generate(self, message: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
-            request = self._request(message, grpc_context)
-            output = await self.service.generate(request, protocol="grpc")
+            service, request = self._request(message, grpc_context)
+            output = await service.generate(request, protocol="grpc")
         except Exception as error:
             self._fail(grpc_context, error)
             return pb.GenerateResponse()
         if output.finish_reason == "error":
             self._fail(grpc_context, WorkerFailed(output.error or "generation failed; retry"))
             return pb.GenerateResponse()
-        return response_message(output, len(request.prompt_ids))
+        return response_message(output, len(request.prompt_ids), service)
 
     async def GenerateStream(self, message: pb.GenerateRequest, grpc_context=None):
+        """One chunk per verification pass. A refused request (bad input, unknown model, full
+        replica) ends the stream with its status after one empty chunk: Serve's gRPC proxy carries a
+        stream's status only on a yielded message or an exception, and logs an exception as a server
+        error with its traceback. Failures (INTERNAL, UNAVAILABLE) are raised."""
+        sent = False
         try:
-            request = self._request(message, grpc_context)
-            async for event in self.service.stream(request, protocol="grpc"):
+            service, request = self._request(message, grpc_context)
+            async for event in service.stream(request, protocol="grpc"):
                 finished = event.finished
                 if finished and finished.finish_reason == "error":
                     raise WorkerFailed(finished.error or "generation failed; retry")
-                chunk = pb.GenerateChunk(token_ids=event.new_token_ids, text=event.text)
-                if finished:
-                    chunk.finish_reason, chunk.finish_detail = finished.finish_reason, finished.finish_detail or ""
-                    chunk.stats.CopyFrom(stats_message(finished.stats, len(finished.token_ids)))
-                yield chunk
+                yield chunk_message(event, service)
+                sent = True
         except Exception as error:
-            # a server stream carries its status only on a yielded message or an exception
             self._fail(grpc_context, error)
-            raise
+            if sent or status_of(error) in SERVER_ERRORS:
+                raise
+            yield pb.GenerateChunk()
 
     async def ListModels(self, message: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
         try:
-            self.service.authorize(metadata_value(grpc_context, "authorization"))
+            self.models.authorize(metadata_value(grpc_context, "authorization"))
         except Exception as error:
             self._fail(grpc_context, error)
             return pb.ListModelsResponse()
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.service.model_id, speculation_method=self.service.method)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=service.model_id, speculation_method=service.method)
+                                             for service in self.models])
 
     async def Check(self, message: health_pb2.HealthCheckRequest, grpc_context=None) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1.Health/Check: SERVING while every engine loop runs."""
-        serving = all(loop.alive for loop in self.cluster.loops)
+        """grpc.health.v1.Health/Check: SERVING while every engine loop runs; NOT_FOUND for a service
+        this server does not have (the health protocol's answer)."""
+        if message.service not in HEALTH_SERVICES:
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {message.service!r}; known: {', '.join(map(repr, HEALTH_SERVICES))}")
+            return health_pb2.HealthCheckResponse()
+        serving = all(loop.alive for loop in self.loops)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 

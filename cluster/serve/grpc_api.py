@@ -7,9 +7,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cluster.engine.request import GenerationOutput
+from cluster.engine.spec_engine import StepEvent
 from cluster.engine.stats import RequestStats
+from cluster.serve.models import ModelNotFound
 from cluster.serve.service import InvalidRequest, Overloaded, RequestOptions, SpecService, Unauthorized
 from protos import specserve_pb2 as pb
+from speculators.logprobs import TokenLogprob
 
 @dataclass
 class UndecodableRequest:
@@ -58,6 +61,7 @@ class WorkerFailed(RuntimeError):
 
 STATUS_OF_ERROR = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
     WorkerFailed: grpc.StatusCode.UNAVAILABLE,
@@ -80,9 +84,13 @@ def options_from(message: pb.GenerateRequest) -> RequestOptions:
         payload["messages"] = [{"role": m.role, "content": m.content} for m in message.chat.messages]
     sampling = message.sampling
     payload.update(temperature=sampling.temperature, top_k=sampling.top_k, stop=list(sampling.stop))
-    for name in ("max_new_tokens", "top_p", "seed"):
+    for name in ("max_new_tokens", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logprobs"):
         if sampling.HasField(name):
             payload[name] = getattr(sampling, name)
+    if message.HasField("structured_output"):
+        payload["structured_output"] = {"kind": message.structured_output.kind,
+                                        "value": message.structured_output.value or None}
     speculation = message.speculation
     spec: dict = {"method": speculation.method or "default"}
     if speculation.lookahead:
@@ -98,15 +106,36 @@ def stats_message(stats: RequestStats, new_tokens: int) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         drafted=stats.drafted, accepted=stats.accepted, mean_accepted_tokens=stats.mean_accepted_tokens(new_tokens),
         target_forwards=stats.target_forwards, time_to_first_token_s=stats.time_to_first_token or 0.0,
+        grammar_pruned=stats.grammar_pruned,
     )
 
 
-def response_message(output: GenerationOutput, prompt_tokens: int) -> pb.GenerateResponse:
+def logprob_messages(entries: list[TokenLogprob] | None, service: SpecService) -> list[pb.TokenLogprob]:
+    if not entries:
+        return []
+    text = service.token_strings.text
+    return [pb.TokenLogprob(token_id=e.token, token=text(e.token), logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, token=text(t), logprob=lp) for t, lp in e.top])
+            for e in entries]
+
+
+def response_message(output: GenerationOutput, prompt_tokens: int, service: SpecService) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         text=output.text, token_ids=output.token_ids, finish_reason=output.finish_reason,
         stats=stats_message(output.stats, len(output.token_ids)), prompt_tokens=prompt_tokens,
-        finish_detail=output.finish_detail or "",
+        finish_detail=output.finish_detail or "", logprobs=logprob_messages(output.logprobs, service),
     )
+
+
+def chunk_message(event: StepEvent, service: SpecService) -> pb.GenerateChunk:
+    """One step's tokens, text and logprobs; the last chunk also says how the output ended."""
+    chunk = pb.GenerateChunk(token_ids=event.new_token_ids, text=event.text,
+                             logprobs=logprob_messages(event.logprobs, service))
+    finished = event.finished
+    if finished:
+        chunk.finish_reason, chunk.finish_detail = finished.finish_reason, finished.finish_detail or ""
+        chunk.stats.CopyFrom(stats_message(finished.stats, len(finished.token_ids)))
+    return chunk
 
 
 def metadata_value(grpc_context, key: str) -> str | None:

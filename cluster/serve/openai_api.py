@@ -1,14 +1,17 @@
-"""OpenAI-compatible HTTP routes over a SpecService: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible HTTP routes over the served models: /v1/models, /v1/completions, /v1/chat/completions.
 
-Off-the-shelf OpenAI clients work unchanged: bodies are translated into `RequestOptions`, and the
-service's answers come back in OpenAI's shapes (openai_schema.py), errors included (400 names the
-bad field in `param`, 401 for a wrong key, 503 with Retry-After when the replica is full or a worker
-failed). Speculation is chosen per request with a non-standard `speculation` object (the fields of
-`SpeculationOptions`) and reported back in a non-standard `speculation` object.
+Off-the-shelf OpenAI clients work unchanged: bodies are translated into `RequestOptions` for the
+model they name, and the service's answers come back in OpenAI's shapes (openai_schema.py), errors
+included (400 names the bad field in `param`, 401 for a wrong key, 404 `model_not_found` for a model
+that is not served, 503 with Retry-After when the replica is full or a worker failed). A refusal is
+logged once, at INFO, without a traceback: it is the client's mistake, not the server's. Speculation
+is chosen per request with a non-standard `speculation` object (the fields of `SpeculationOptions`)
+and reported back in a non-standard `speculation` object.
 """
 # no `from __future__ import annotations`: FastAPI must see real classes after Serve pickles the routes
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,34 +20,38 @@ from contextlib import aclosing, suppress
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.engine.request import GenerationOutput
 from cluster.engine.spec_engine import StepEvent
+from cluster.serve.models import ModelNotFound, ServedModels
 from cluster.serve.openai_schema import FINISH_REASONS, Call, ResponseShape, parse_call, speculation_stats, sse
-from cluster.serve.service import InvalidRequest, Overloaded, SpecService, Unauthorized
+from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 
 RETRY_AFTER_S = "1"
+log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
+SampleEvents = AsyncIterator[tuple[int, StepEvent]]
 
 
-def build_openai_router(get_service: Callable[[], SpecService]) -> APIRouter:
-    """The routes, resolving the service per request (a Serve replica builds it after the app)."""
+def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
+    """The routes, resolving the served models per request (a Serve replica builds them after the app)."""
     router = APIRouter()
     created = int(time.time())
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        async def models(service: SpecService) -> Response:
-            card = {"id": service.model_id, "object": "model", "created": created, "owned_by": "specserve"}
-            return JSONResponse({"object": "list", "data": [card]})
+        async def models(served: ServedModels) -> Response:
+            cards = [{"id": service.model_id, "object": "model", "created": created, "owned_by": "specserve"}
+                     for service in served]
+            return JSONResponse({"object": "list", "data": cards})
 
-        return await _answer(request, get_service, models)
+        return await _answer(request, get_models, models)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, get_service, lambda service: _complete(service, request, chat=False))
+        return await _answer(request, get_models, lambda served: _complete(served, request, chat=False))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, get_service, lambda service: _complete(service, request, chat=True))
+        return await _answer(request, get_models, lambda served: _complete(served, request, chat=True))
 
     return router
 
@@ -58,23 +65,27 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _answer(request: Request, get_service: Callable[[], SpecService],
-                  produce: Callable[[SpecService], Awaitable[Response]]) -> Response:
+async def _answer(request: Request, get_models: Callable[[], ServedModels],
+                  produce: Callable[[ServedModels], Awaitable[Response]]) -> Response:
     """Authorize, run the route, and turn the service's refusals into OpenAI error responses.
 
     A router cannot carry exception handlers (they belong to the app), so each route goes through here.
     """
     try:
-        service = get_service()
-        service.authorize(request.headers.get("authorization"))
-        return await produce(service)
+        served = get_models()
+        served.authorize(request.headers.get("authorization"))
+        return await produce(served)
     except Unauthorized as error:
-        return _error(401, str(error), "invalid_request_error", code="invalid_api_key",
-                      headers={"WWW-Authenticate": "Bearer"})
+        status, response = 401, _error(401, str(error), "invalid_request_error", code="invalid_api_key",
+                                       headers={"WWW-Authenticate": "Bearer"})
+    except ModelNotFound as error:
+        status, response = 404, _error(404, str(error), "invalid_request_error", param="model", code="model_not_found")
     except InvalidRequest as error:
-        return _error(400, str(error), "invalid_request_error", param=error.field)
+        status, response = 400, _error(400, str(error), "invalid_request_error", param=error.field)
     except Overloaded as error:
-        return _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
+        status, response = 503, _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
+    log.info("%s %s refused with %d: %s", request.method, request.url.path, status, response.body.decode())
+    return response
 
 
 def _failed(output: GenerationOutput) -> JSONResponse:
@@ -89,23 +100,30 @@ def _failure_message(output: GenerationOutput) -> str:
 # ---- running -----------------------------------------------------------------------------------
 
 
-async def _start(service: SpecService, request: GenerationRequest) -> tuple[StepEvent, AsyncIterator[StepEvent]]:
-    """The request's first step event and the stream of the rest.
+async def _start(call: Call) -> tuple[tuple[int, StepEvent], SampleEvents]:
+    """The call's first (request index, step event) and the stream of the rest.
 
     Waiting for the first event surfaces Overloaded, which the service raises only when the stream
     is first read, before a streamed response has sent its 200 headers.
     """
-    events = service.stream(request)
+    events = call.service.stream_samples(call.samples)
     return await anext(events), events
 
 
-async def _final_output(service: SpecService, request: GenerationRequest) -> GenerationOutput:
-    first, events = await _start(service, request)
+async def _final_outputs(call: Call) -> list[GenerationOutput]:
+    """Every request's final output, in request order (a failed one ends the wait)."""
+    first, events = await _start(call)
+    outputs: dict[int, GenerationOutput] = {}
     async with aclosing(events):
-        event = first
-        while event.finished is None:
-            event = await anext(events)
-        return event.finished
+        item = first
+        while True:
+            index, event = item
+            if event.finished is not None:
+                outputs[index] = event.finished
+                if event.finished.finish_reason not in FINISH_REASONS or len(outputs) == len(call.samples.requests):
+                    break
+            item = await anext(events)
+    return [outputs[i] for i in sorted(outputs)]
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -114,73 +132,89 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _output_unless_abandoned(service: SpecService, generation: GenerationRequest,
-                                   request: Request) -> GenerationOutput | None:
-    """The whole output, or None once the client has gone: its request is then aborted instead of
+async def _outputs_unless_abandoned(call: Call, request: Request) -> list[GenerationOutput] | None:
+    """The whole outputs, or None once the client has gone: its requests are then aborted instead of
     being decoded to the end for nobody (clients that time out also retry, doubling the load)."""
-    work = asyncio.ensure_future(_final_output(service, generation))
+    work = asyncio.ensure_future(_final_outputs(call))
     departure = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait((work, departure), return_when=asyncio.FIRST_COMPLETED)
     finally:
         departure.cancel()
         if not work.done():
-            work.cancel()  # closes the step stream, which aborts the request in the engine
+            work.cancel()  # closes the step stream, which aborts the requests in the engine
             with suppress(asyncio.CancelledError):
                 await work
     return None if work.cancelled() else work.result()
 
 
-async def _complete(service: SpecService, request: Request, chat: bool) -> Response:
+async def _complete(served: ServedModels, request: Request, chat: bool) -> Response:
     request_id = uuid.uuid4().hex
-    call = parse_call(await request.body(), service, chat, request_id)
-    shape = ResponseShape(("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), service.model_id, chat)
+    call = parse_call(await request.body(), served, chat, request_id)
+    service = call.service
+    strings = service.token_strings if call.logprobs else None
+    shape = ResponseShape(("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), service.model_id, chat, strings)
     if call.stream:
-        first, events = await _start(service, call.request)
-        if first.finished is not None and first.finished.finish_reason not in FINISH_REASONS:
+        first, events = await _start(call)
+        finished = first[1].finished
+        if finished is not None and finished.finish_reason not in FINISH_REASONS:
             await events.aclose()
-            return _failed(first.finished)  # no header sent yet: a real status beats an error event
+            return _failed(finished)  # no header sent yet: a real status beats an error event
         return _EventStreamResponse(_sse_events(shape, call, first, events), events)
-    output = await _output_unless_abandoned(service, call.request, request)
-    if output is None:
+    outputs = await _outputs_unless_abandoned(call, request)
+    if outputs is None:
         return Response(status_code=499)  # nobody is listening; the status only shows in access logs
-    if output.finish_reason not in FINISH_REASONS:
-        return _failed(output)
-    return JSONResponse(shape.response(output, len(call.request.prompt_ids)))
+    failed = next((output for output in outputs if output.finish_reason not in FINISH_REASONS), None)
+    if failed is not None:
+        return _failed(failed)
+    return JSONResponse(shape.response(call.samples.choices(outputs), call.prompt_tokens, outputs))
 
 
-async def _sse_events(shape: ResponseShape, call: Call, first: StepEvent,
-                      events: AsyncIterator[StepEvent]) -> AsyncIterator[str]:
-    """The server-sent events of one streamed request: text deltas, the finish (or an error), [DONE]."""
+async def _sse_events(shape: ResponseShape, call: Call, first: tuple[int, StepEvent],
+                      events: SampleEvents) -> AsyncIterator[str]:
+    """The server-sent events of one streamed call: each choice's text deltas (with their logprobs)
+    and its finish, then usage when asked, then [DONE]; or an error event when a request failed."""
+    samples = call.samples
     if shape.chat:
-        yield sse(shape.chunk(role=True))
-    event = first
-    while event.finished is None:
-        if event.text:
-            yield sse(shape.chunk(event.text))
-        event = await anext(events)
-    output = event.finished
-    if output.finish_reason not in FINISH_REASONS:
-        yield sse({"error": {"message": _failure_message(output), "type": "server_error", "param": None, "code": None}})
-    else:
-        if event.text:
-            yield sse(shape.chunk(event.text))
-        final = shape.chunk(finish_reason=output.finish_reason, finish_detail=output.finish_detail)
-        yield sse(final | {"speculation": speculation_stats(output)})
-        if call.include_usage:
-            yield sse(shape.usage_chunk(output, len(call.request.prompt_ids)))
+        for index in range(samples.n):
+            yield sse(shape.chunk(index, role=True))
+    offsets = [0] * samples.n  # characters of each completion's logprobs tokens sent so far
+    outputs: dict[int, GenerationOutput] = {}
+    item = first
+    while True:
+        request_index, event = item
+        output = event.finished
+        if output is not None and output.finish_reason not in FINISH_REASONS:
+            yield sse({"error": {"message": _failure_message(output), "type": "server_error", "param": None, "code": None}})
+            break
+        for index in samples.choice_indices(request_index):
+            logprobs = shape.logprobs(event.logprobs, offsets[index])
+            if logprobs is not None and not shape.chat:
+                offsets[index] += sum(len(token) for token in logprobs["tokens"])
+            if event.text or (logprobs is not None and event.new_token_ids):
+                yield sse(shape.chunk(index, event.text, logprobs=logprobs))
+            if output is not None:
+                final = shape.chunk(index, finish_reason=output.finish_reason, finish_detail=output.finish_detail)
+                yield sse(final | {"speculation": speculation_stats([output])})
+        if output is not None:
+            outputs[request_index] = output
+            if len(outputs) == len(samples.requests):
+                if call.include_usage:
+                    yield sse(shape.usage_chunk(samples.choices([outputs[i] for i in sorted(outputs)]), call.prompt_tokens))
+                break
+        item = await anext(events)
     yield sse("[DONE]")
 
 
 class _EventStreamResponse(StreamingResponse):
-    """Server-sent events that close the request's step stream when the response stops, however it
-    stops: closing it is what aborts the request in the engine when the client hangs up.
+    """Server-sent events that close the call's step stream when the response stops, however it
+    stops: closing it is what aborts the requests in the engine when the client hangs up.
 
     Starlette does not close the body iterator when a client disconnects; it just stops iterating,
     possibly before the first chunk, and leaves the clean-up to garbage collection.
     """
 
-    def __init__(self, body: AsyncIterator[str], events: AsyncIterator[StepEvent]):
+    def __init__(self, body: AsyncIterator[str], events: SampleEvents):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
 

@@ -12,6 +12,8 @@ import contextlib
 import hmac
 import time
 import uuid
+from dataclasses import replace
+from functools import cached_property
 from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, get_args
 
@@ -19,10 +21,15 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, Vali
 
 from cluster.engine.config import Method
 from cluster.engine.loop import EngineLoop, least_loaded, stream as loop_stream
+from cluster.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import StepEvent
 from cluster.serve.api_key import resolve_api_key
+from cluster.serve.samples import Samples
+from cluster.serve.token_strings import TokenStrings
+from speculators.logprobs import MAX_TOP_LOGPROBS
 from speculators.lookahead import LookaheadConfig
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
 
 
@@ -66,6 +73,9 @@ class ServiceLimits(BaseModel):
         "while it could still turn into a stop string")
     request_timeout_s: float = Field(
         600.0, gt=0, description="a request still running after this many seconds is aborted with a retryable error")
+    max_n: int = Field(16, ge=1, le=128, description="most choices (n, best_of) one request may ask for")
+    max_grammar_chars: int = Field(
+        65536, ge=1, description="longest JSON schema, regular expression or grammar a request may give, in characters")
     api_key: SecretStr | None = Field(
         None, description="when set, clients must send it (HTTP bearer, gRPC metadata 'authorization'); "
         "prefer api_key_env or api_key_file, which keep the key out of the Serve config")
@@ -98,6 +108,16 @@ class SpeculationOptions(BaseModel):
         None, ge=0.0, le=1.0, validation_alias=AliasChoices("confidence_threshold", "assistant_confidence_threshold"))
 
 
+class StructuredOutput(BaseModel):
+    """What the output must match: any JSON object, a JSON schema (as JSON text), a regular
+    expression or an EBNF grammar."""
+
+    model_config = STRICT
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar"]
+    value: str | None = None
+
+
 class RequestOptions(BaseModel):
     """Everything a client may send, in one wire-independent shape."""
 
@@ -113,6 +133,14 @@ class RequestOptions(BaseModel):
     top_p: float = 1.0
     seed: int | None = Field(None, ge=-2**63, lt=2**64)
     stop: list[str] = Field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives wanted at each position (0: the chosen token's log-probability only); None: none."""
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    structured_output: StructuredOutput | None = None
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
 
@@ -213,11 +241,8 @@ class SpecService:
             max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
         if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"must be in [1, {self.limits.max_new_tokens}]")
-        try:
-            sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
-        except ValueError as error:
-            field = str(error).split(" ")[0]
-            raise InvalidRequest(field, str(error)) from None
+        sampling = _checked(SamplingParams, options.temperature, options.top_k, options.top_p, options.seed)
+        penalties = _checked(Penalties, options.presence_penalty, options.frequency_penalty, options.repetition_penalty)
         method = options.speculation.method
         if method not in ("default", "off", "none", self.method):
             raise InvalidRequest("speculation.method", f"this deployment drafts with {self.method!r}; use it, 'default' or 'off'")
@@ -225,13 +250,60 @@ class SpecService:
         request = GenerationRequest(
             request_id or uuid.uuid4().hex, self._prompt_ids(options), sampling, max_new_tokens,
             list(options.stop), speculate=method not in ("off", "none") and self.method != "none",
-            lookahead=self._lookahead(options.speculation),
+            lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
+            logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
         )
         try:
             self.loops[0].engine.validate(request)  # the engine's own limits (context window, vocabulary)
         except ValueError as error:
             raise InvalidRequest("prompt", str(error)) from None
         return request
+
+    def build_samples(self, options: RequestOptions, request_id: str) -> Samples:
+        """The engine requests behind a call's `n` choices (the best `n` of `best_of` when more).
+
+        A greedy call is deterministic, so its `n` choices are copies of one request's output (as
+        vLLM's are). Sampled requests are independent: with a seed s, request i is seeded s + i, so
+        the first choice is what the same call with n = 1 returns.
+        """
+        n, best_of = options.n, options.best_of or options.n
+        if best_of < n:
+            raise InvalidRequest("best_of", f"must be at least n ({n})")
+        if best_of > self.limits.max_n:
+            raise InvalidRequest("n" if options.best_of is None else "best_of", f"must be at most {self.limits.max_n}")
+        if best_of > n and options.logprobs is None:  # ranking needs each sample's log-probability
+            options = options.model_copy(update={"logprobs": 0})
+        first = self.build_request(options, request_id)
+        if first.sampling.greedy or best_of == 1:
+            return Samples([first], n)
+        seed = first.sampling.seed
+        return Samples([replace(first, request_id=f"{request_id}-{i}",
+                                sampling=replace(first.sampling, seed=None if seed is None else seed + i))
+                        for i in range(best_of)], n)
+
+    def _grammar(self, structured: StructuredOutput | None) -> CompiledGrammar | None:
+        if structured is None:
+            return None
+        if structured.kind != "json_object" and not structured.value:
+            raise InvalidRequest("structured_output", f"{structured.kind} needs its {structured.kind.replace('_', ' ')}")
+        if len(structured.value or "") > self.limits.max_grammar_chars:
+            raise InvalidRequest("structured_output", f"has {len(structured.value)} characters; the limit is "
+                                                      f"{self.limits.max_grammar_chars}")
+        try:
+            return self.grammars.compile(GrammarSpec(structured.kind, structured.value))
+        except ValueError as error:
+            raise InvalidRequest("structured_output", str(error)) from None
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output specs for the target's tokenizer (built on the first that asks)."""
+        engine = self.loops[0].engine
+        return GrammarCompiler(self.tokenizer, engine.vocab_size or len(self.tokenizer), engine.eos_token_ids)
+
+    @cached_property
+    def token_strings(self) -> TokenStrings:
+        """Token texts and bytes for log-probabilities (built on the first request that wants them)."""
+        return TokenStrings(self.tokenizer)
 
     @staticmethod
     def parse_options(payload: dict) -> RequestOptions:
@@ -245,13 +317,16 @@ class SpecService:
 
     # ---- running -------------------------------------------------------------------------------
 
-    def _loop(self) -> EngineLoop:
+    def _loop(self, chosen: EngineLoop | None = None) -> EngineLoop:
+        """`chosen`, or the least loaded loop, if this replica may take one more request."""
         if self.in_flight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"{self.in_flight} requests in flight; the limit is {self.limits.max_concurrent_requests}")
-        return least_loaded(self.loops)
+        return chosen or least_loaded(self.loops)
 
-    async def stream(self, request: GenerationRequest, protocol: str = "http") -> AsyncIterator[StepEvent]:
-        loop = self._loop()
+    async def stream(self, request: GenerationRequest, protocol: str = "http",
+                     loop: EngineLoop | None = None) -> AsyncIterator[StepEvent]:
+        """The request's step events, from `loop` (the least loaded when None), within the limits."""
+        loop = self._loop(loop)
         self.in_flight += 1
         last = time.perf_counter()
         try:
@@ -286,6 +361,41 @@ class SpecService:
             if event.finished:
                 return
 
+    async def stream_samples(self, samples: Samples, protocol: str = "http") -> AsyncIterator[tuple[int, StepEvent]]:
+        """(index in samples.requests, event) for every request of a call, interleaved as they come.
+
+        All of them go to one engine loop, so requests admitted together share their prompt's
+        prefill. Closing this iterator aborts every request still running.
+        """
+        if len(samples.requests) == 1:
+            async with contextlib.aclosing(self.stream(samples.requests[0], protocol)) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        loop, queue = self._loop(), asyncio.Queue()
+
+        async def pump(index: int, request: GenerationRequest) -> None:
+            try:
+                async with contextlib.aclosing(self.stream(request, protocol, loop)) as events:
+                    async for event in events:
+                        queue.put_nowait((index, event))
+            except Exception as error:  # Overloaded, or a failure: the caller raises it
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(samples.requests)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                running -= item.finished is not None
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def generate(self, request: GenerationRequest, protocol: str = "http") -> GenerationOutput:
         async for event in self.stream(request, protocol):
             if event.finished:
@@ -295,3 +405,11 @@ class SpecService:
     @property
     def queue_depth(self) -> int:
         return sum(loop.engine.queue_depth for loop in self.loops)
+
+
+def _checked(make, *args):
+    """`make(*args)`, whose ValueError names the field first, as InvalidRequest naming that field."""
+    try:
+        return make(*args)
+    except ValueError as error:
+        raise InvalidRequest(str(error).split(" ")[0], str(error)) from None

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import torch
 
 from speculators.hidden import TargetHidden
+from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 
@@ -37,6 +38,11 @@ class DraftRequest:
     hidden: TargetHidden | None = None
     """The target's hidden states of tokens committed since the last call, for proposers that read
     them (`Proposer.hidden_layers`); handed over once."""
+    penalties: Penalties | None = None
+    """The request's penalties: a drafter with a distribution applies them to it as the target
+    does at the same node, so its drafts are likely under the penalised target."""
+    prompt_length: int = 0
+    """Where the output begins in the request's sequence (penalties count output tokens)."""
 
 
 class Proposer(ABC):

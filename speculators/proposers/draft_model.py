@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
+from speculators.penalties import PenaltyContext, penalize
 from speculators.sampling import draft_generator, tree_draft_probs, warp
 from speculators.tree import DraftTree, chain_parents
 
@@ -55,6 +56,19 @@ class _Draft:
     draft has run. The root is already committed in the draft model, which TreeInput calls -1."""
     generator: torch.Generator | None = None
     """This step's random stream (sampled requests)."""
+
+    def penalized(self, branch: _Branch) -> torch.Tensor:
+        """The branch's next-token logits under the request's penalties, counting the drafted tokens on
+        its path as the target will when it verifies the node."""
+        penalties = self.request.penalties
+        if penalties is None or not penalties.active:
+            return branch.logits
+        path, node = [], branch.node
+        while node > 0:
+            path.append(self.tree_tokens[node])
+            node = self.tree_parents[node]
+        context = PenaltyContext(penalties, self.request.token_ids, self.request.prompt_length)
+        return penalize(branch.logits.unsqueeze(0), context, [path[::-1]])[0]
 
     def run(self, nodes: list[int], scratch_start: int) -> TreeInput:
         """The input that runs `nodes` (children of nodes already run) after `scratch_start` scratch tokens."""
@@ -135,10 +149,10 @@ class DraftModelProposer(Proposer):
                 break
             room -= count
             if request.sampling.greedy:
-                confidence, tokens = torch.topk(branch.logits.float().softmax(-1), count)
+                confidence, tokens = torch.topk(draft.penalized(branch).float().softmax(-1), count)
                 choices.append(_Choice(branch, tokens, confidence, None))
                 continue
-            q = warp(branch.logits, request.sampling)
+            q = warp(draft.penalized(branch), request.sampling)
             tokens = _sample_without_replacement(q, count, draft.generator)
             choices.append(_Choice(branch, tokens, q[tokens], q))
         return choices

@@ -12,6 +12,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from actors.model.llama import project
+from actors.model.loader import load_model
+from actors.model.sharding import ShardPlan
 from actors.target_group import TargetGroup
 from actors.target_worker import RequestFailed
 from speculators.sampling import SamplingParams
@@ -164,3 +167,14 @@ def test_a_shard_starts_in_two_steps_and_a_world_of_one_needs_no_rendezvous(tiny
     shard.join("127.0.0.1", 0)
     shard.start([("r", [1, 2, 3], SamplingParams())])
     assert len(shard.verify([("r", DraftTree.root_only(3))])[0].new_tokens) == 1
+
+
+def test_a_rank_loads_contiguous_weights_and_strided_ones_still_project_right(tiny_model_dir):
+    """Column slices come out of safetensors strided, and oneDNN's linear crawls on those (a
+    TP=2 shard of the default target took minutes per pass): the loader stores them contiguous,
+    and `project` gives a strided weight to a path that handles it."""
+    model = load_model(tiny_model_dir, dtype=torch.float64, plan=ShardPlan(rank=1, world_size=2))  # as stored: no copy
+    assert all(p.is_contiguous() for p in model.parameters())
+    weight = torch.randn(16, 24, dtype=torch.float64)[:, :12]
+    rows = torch.randn(8, 12, dtype=torch.float64)
+    assert torch.allclose(project(rows, weight), rows @ weight.T)

@@ -33,7 +33,8 @@ def test_engine_options_take_their_defaults_from_the_engine_config_and_accept_vl
     from specserve.cli import build_parser
 
     parser = build_parser()
-    default = engine_config_from_args(parser.parse_args(["generate", "x"]), "pld")
+    args = parser.parse_args(["generate", "x"])
+    default = engine_config_from_args(args, args.method)
     assert default.model_dump(exclude={"max_sequences"}) == EngineConfig().model_dump(exclude={"max_sequences"})
     named = engine_config_from_args(parser.parse_args(
         ["generate", "x", "--num-speculative-tokens", "6", "--prompt-lookup-num-tokens", "4", "--confidence-threshold", "0.1"]))
@@ -54,3 +55,23 @@ def test_engine_config_keeps_the_old_field_names_as_aliases():
 def test_fuzz_command_runs_the_property(capsys):
     assert main(["fuzz", "--examples", "20", "--seed", "3"]) == 0
     assert "20 HTTP bodies and 20 gRPC messages" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--model", "/tmp/specserve-no-such-model"], "/tmp/specserve-no-such-model"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or at least"),
+    pytest.param(["--method", "draft", "--draft", "layer-skip:99"], "layer-skip draft needs 1..29 layers, got 99",
+                 marks=pytest.mark.default_model),
+])
+def test_a_user_error_is_one_line_without_a_traceback(capsys, arguments, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--max-new-tokens", "2", *arguments])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: 0.0)" in capsys.readouterr().out

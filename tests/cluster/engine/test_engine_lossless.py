@@ -37,10 +37,11 @@ def make_proposer(kind: str, model, slots: int):
 
 
 def run_engine(model, proposer, prompts, lookahead=LookaheadConfig(), sampling=SamplingParams(), slots=4,
-               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False, cost=False):
+               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False, cost=False, **features):
+    """`features`: further GenerationRequest fields (penalties, logprobs)."""
     config = SchedulerConfig(max_sequences=slots, max_len=256, max_tree_nodes=max_tree_nodes, pipeline=pipeline)
     engine = local_engine(model, IdTokenizer(), proposer, config, cost=cost)
-    requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead)
+    requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead, **features)
                 for i, p in enumerate(prompts)]
     return engine.generate(requests)
 

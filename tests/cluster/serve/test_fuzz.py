@@ -4,6 +4,7 @@ import pytest
 
 from actors.model.loader import load_tokenizer
 from bench.fuzz import build_target, fuzz
+from cluster.serve.models import ServedModels
 from cluster.serve.openai_schema import parse_call
 from cluster.serve.service import InvalidRequest
 from protos import specserve_pb2 as pb
@@ -39,7 +40,7 @@ def test_both_schemas_under_a_few_hundred_fuzzed_requests(target):
 ], ids=lambda value: value[:40].decode(errors="replace") if isinstance(value, bytes) else value)
 def test_hostile_bodies_are_refused_naming_the_field(target, body, field):
     with pytest.raises(InvalidRequest) as refused:
-        parse_call(body, target.service, False, "x")
+        parse_call(body, ServedModels([target.service]), False, "x")
     assert refused.value.field == field
 
 
@@ -60,5 +61,6 @@ def test_hostile_grpc_fields_are_refused_naming_the_field(target, sampling, fiel
 def test_a_vanishing_top_p_keeps_the_likeliest_token(target):
     """Found by `specserve fuzz`: top_p 1e-300 rounded to 0 in float32 and dropped every token."""
     body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_p": 1e-300, "seed": 1}'
-    output = target.engine.generate([parse_call(body, target.service, True, "tiny-top-p").request])[0]
+    call = parse_call(body, ServedModels([target.service]), True, "tiny-top-p")
+    output = target.engine.generate(call.samples.requests)[0]
     assert output.finish_reason in ("stop", "length") and output.token_ids

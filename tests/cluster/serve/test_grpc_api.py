@@ -3,6 +3,7 @@ import grpc
 import pytest
 
 from cluster.serve.grpc_api import WorkerFailed, metadata_value, options_from, status_of
+from cluster.serve.models import ModelNotFound
 from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 from protos import specserve_pb2 as pb
 
@@ -28,6 +29,18 @@ def test_every_field_reaches_the_options():
     assert options_from(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))).prompt_token_ids == [1, 2]
 
 
+def test_the_api_features_reach_the_options():
+    message = pb.GenerateRequest(
+        text="hi", model="m", structured_output=pb.StructuredOutput(kind="regex", value="[ab]+"),
+        sampling=pb.Sampling(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.25, logprobs=3))
+    options = options_from(message)
+    assert (options.presence_penalty, options.frequency_penalty, options.repetition_penalty, options.logprobs) == \
+        (0.5, -1, 1.25, 3)
+    assert (options.structured_output.kind, options.structured_output.value) == ("regex", "[ab]+")
+    plain = options_from(pb.GenerateRequest(text="hi"))
+    assert (plain.logprobs, plain.structured_output, plain.repetition_penalty) == (None, None, 1.0)
+
+
 def test_an_unknown_lookahead_names_its_field():
     with pytest.raises(InvalidRequest) as caught:
         options_from(pb.GenerateRequest(text="hi", speculation=pb.Speculation(lookahead="sideways")))
@@ -39,6 +52,7 @@ def test_an_unknown_lookahead_names_its_field():
     (Overloaded("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unauthorized("no key"), grpc.StatusCode.UNAUTHENTICATED),
     (WorkerFailed("retry"), grpc.StatusCode.UNAVAILABLE),
+    (ModelNotFound("gpt-4", ["m"]), grpc.StatusCode.NOT_FOUND),
     (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
 ])
 def test_errors_map_to_status_codes(error, code):

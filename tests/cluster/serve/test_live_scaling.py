@@ -18,10 +18,10 @@ from actors.model.loader import load_model
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
-from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
+from cluster.serve.app import AppArgs, SpecServer
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
-from tests.cluster.ray_fixtures import free_port
+from tests.cluster.ray_fixtures import channel, free_port, serve_on_local_ray  # noqa: F401  (channel: a fixture)
 from tests.conftest import IdTokenizer
 
 pytestmark = pytest.mark.default_model  # the tiny model directory borrows the default model's tokenizer
@@ -47,14 +47,10 @@ def expected(tiny_model_dir):
 @pytest.fixture(scope="module")
 def ports(tiny_model_dir, self_signed_cert):
     """(gRPC port, HTTPS port) of the app; its HTTP proxy takes TLS from Serve's http_options."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        grpc_port, https_port = free_port(), free_port()
-        certfile, keyfile = self_signed_cert
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": https_port, "ssl_certfile": str(certfile),
-                                  "ssl_keyfile": str(keyfile)},
-                    grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+    grpc_port, https_port = free_port(), free_port()
+    certfile, keyfile = self_signed_cert
+    https = {"host": "127.0.0.1", "port": https_port, "ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}
+    with serve_on_local_ray(grpc_port, https):
         args = AppArgs.model_validate({
             "cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", "max_sequences": 2, "max_len": 128},
                         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0},
@@ -63,18 +59,7 @@ def ports(tiny_model_dir, self_signed_cert):
         deployment = SpecServer.options(autoscaling_config=AUTOSCALING, max_ongoing_requests=16,
                                         ray_actor_options={"num_cpus": 0.1})
         serve.run(deployment.bind(args), name=APP, route_prefix="/")
-        try:
-            yield grpc_port, https_port
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def channel(ports):
-    channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
-    yield channel
-    channel.close()
+        yield grpc_port, https_port
 
 
 @pytest.fixture(scope="module")

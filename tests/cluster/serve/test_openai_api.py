@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import http.client
+import inspect
 import itertools
 import json
-import threading
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 
 from actors.model.loader import load_tokenizer
@@ -20,11 +21,14 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.spec_engine import SpecEngine
 from cluster.engine.loop import EngineLoop
 from cluster.engine.build import local_engine
+from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import build_openai_router
+from cluster.serve.openai_schema import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, NEUTRAL_ONLY
 from cluster.engine.request import GenerationRequest
 from cluster.serve.service import ServiceLimits, SpecService
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.serve.uvicorn_server import uvicorn_server
 from tests.conftest import tiny_pair
 
 pytestmark = pytest.mark.default_model
@@ -73,18 +77,9 @@ def served(default_model_path):
     loop = EngineLoop(local_engine(model, tokenizer, PromptLookupProposer(), config), "openai-test-engine")
     service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
     app = FastAPI()
-    app.include_router(build_openai_router(lambda: service))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="openai-test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(service, loop, local_engine(model, tokenizer, None, config), port)
-    server.should_exit = True
-    thread.join(10)
+    app.include_router(build_openai_router(lambda: ServedModels([service])))
+    with uvicorn_server(app, "openai-test-server") as port:
+        yield Served(service, loop, local_engine(model, tokenizer, None, config), port)
     loop.stop()
 
 
@@ -215,14 +210,19 @@ def test_sse_wire_format(served):
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 9999}, "n"),
     ({"echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "high"}, "frequency_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": ["one", "two"]}, "prompt"),
     ({"stream": "yes"}, "stream"),
     ({"extra_body": {"speculation": {"method": "draft"}}}, "speculation.method"),
     ({"extra_body": {"speculation": {"max_speculative_tokens": 999}}}, "speculation.max_speculative_tokens"),
-    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
 ])
 def test_bad_completion_fields_are_named(served, fields, param):
     request = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 4} | fields
@@ -235,12 +235,23 @@ def test_bad_completion_fields_are_named(served, fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
 ])
 def test_bad_chat_fields_are_named(served, fields, param):
     with pytest.raises(openai.BadRequestError) as error:
         served.client().chat.completions.create(**({"model": MODEL_ID, "messages": MESSAGES} | fields))
     assert error.value.param == param
+
+
+def test_an_unknown_model_is_a_404_and_a_missing_one_the_served_one(served):
+    with pytest.raises(openai.NotFoundError) as error:
+        served.client().completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    assert (error.value.body["code"], error.value.body["param"]) == ("model_not_found", "model")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    status, _, raw = post(served, "/v1/completions", body)
+    assert status == 200 and json.loads(raw)["model"] == MODEL_ID
 
 
 @pytest.mark.parametrize("body", [b"[1, 2]", b"{not json"])
@@ -332,3 +343,75 @@ def test_a_client_leaving_a_plain_request_aborts_it(served, slow_engine_and_abor
         connection.getresponse()
     connection.close()
     assert wait_for(lambda: slow_engine_and_aborts, 5)
+
+
+# ---- the README's compatibility table ----------------------------------------------------------
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+TABLE_ROW = re.compile(r"^\| `([a-z_]+)` \| (completions|chat|both) \| (yes|extra|ignored|neutral only) \|", re.M)
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+EXAMPLES = {
+    "model": MODEL_ID, "prompt": PROMPT, "messages": MESSAGES, "max_tokens": 6, "max_completion_tokens": 6,
+    "temperature": 0.5, "top_p": 0.9, "n": 2, "best_of": 2, "stop": ["\n"], "stream": True,
+    "stream_options": {"include_usage": True}, "seed": 3, "logprobs": 2, "top_logprobs": 2,
+    "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": SCHEMA}},
+    "top_k": 5, "repetition_penalty": 1.2, "structured_outputs": {"regex": "[ab]{3}"},
+    "speculation": {"method": "off"}, "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+    "parallel_tool_calls": False, "prompt_cache_key": "k", "safety_identifier": "s",
+    "echo": True, "suffix": "x", "logit_bias": {"1": 2}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"}, "modalities": ["audio"],
+}
+"""A value of each parameter: a real request for the served ones, a refused one for the neutral-only."""
+
+
+def compatibility_table() -> dict[str, tuple[str, str]]:
+    return {name: (endpoints, served) for name, endpoints, served in TABLE_ROW.findall(README.read_text())}
+
+
+def test_the_table_lists_every_parameter_the_server_reads():
+    table = compatibility_table()
+    known = COMPLETION_FIELDS | CHAT_FIELDS | IGNORED_FIELDS | set(NEUTRAL_ONLY)
+    assert set(table) == known == set(EXAMPLES)
+    for name, (endpoints, served) in table.items():
+        assert (name in COMPLETION_FIELDS, name in CHAT_FIELDS) == \
+            ({"both": (True, True), "completions": (True, False), "chat": (False, True)}[endpoints]
+             if served in ("yes", "extra") else (False, False)), name
+        assert (served == "ignored") == (name in IGNORED_FIELDS) and (served == "neutral only") == (name in NEUTRAL_ONLY)
+
+
+def table_requests() -> list[tuple[str, bool]]:
+    """(parameter, chat?) for every row of the table and every endpoint it names."""
+    return [(name, chat) for name, (endpoints, _) in sorted(compatibility_table().items())
+            for chat in {"both": (False, True), "completions": (False,), "chat": (True,)}[endpoints]]
+
+
+@pytest.mark.parametrize("name,chat", table_requests(), ids=lambda v: str(v))
+def test_every_row_of_the_table_holds_through_the_openai_client(served, name, chat):
+    """Each parameter sent as the official client sends it (a keyword, or extra_body where its
+    signature lacks one): served and ignored rows answer, neutral-only rows refuse a non-neutral
+    value naming the parameter."""
+    kind = compatibility_table()[name][1]
+    client = served.client()
+    create = client.chat.completions.create if chat else client.completions.create
+    request = {"model": MODEL_ID, "max_tokens": 6} | ({"messages": MESSAGES} if chat else {"prompt": PROMPT})
+    value = EXAMPLES[name] if name != "logprobs" else (True if chat else 2)
+    if name == "top_logprobs":
+        request["logprobs"] = True
+    if name == "max_completion_tokens":
+        request.pop("max_tokens")
+    if name == "stream_options":
+        request["stream"] = True
+    request |= {name: value} if name in inspect.signature(create).parameters else {"extra_body": {name: value}}
+    if kind == "neutral only":
+        with pytest.raises(openai.BadRequestError) as error:
+            create(**request)
+        assert error.value.param == name
+        return
+    response = create(**request)
+    if request.get("stream"):
+        chunks = list(response)
+        assert [c for c in chunks if c.choices][-1].choices[0].finish_reason in ("stop", "length")
+        assert (chunks[-1].usage is not None) == (name == "stream_options")
+    else:
+        assert response.choices[0].finish_reason in ("stop", "length")

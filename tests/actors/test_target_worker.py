@@ -1,0 +1,68 @@
+"""What the target worker adds for the API's features: one prefill for identical prompts admitted
+together, shaped verification (penalties, grammar masks) and logprobs read from the same pass."""
+from __future__ import annotations
+
+import torch
+
+from actors.target_worker import TargetWorker
+from speculators.penalties import Penalties, PenaltyContext
+from speculators.proposers.base import TreeInput
+from speculators.sampling import SamplingParams
+from speculators.shaping import Shaping
+from speculators.tree import DraftTree
+
+PROMPT = [3, 7, 1, 9, 4, 4, 2]
+GREEDY = SamplingParams()
+
+
+def test_identical_prompts_admitted_together_share_one_prefill(tiny_model):
+    model, _ = tiny_model
+    worker = TargetWorker(model, max_sequences=4, max_len=64)
+    passes = []
+    real_forward = worker.runner.forward_capturing
+    worker.runner.forward_capturing = lambda inputs, capture=(): (passes.append([len(i.token_ids) for i in inputs])
+                                                                  or real_forward(inputs, capture))
+    worker.start([("a", PROMPT, GREEDY), ("b", PROMPT, GREEDY), ("c", [5, 6, 2], GREEDY), ("d", PROMPT, GREEDY)])
+    assert passes == [[len(PROMPT) - 1, 2]]  # one prefill of PROMPT, one of the other prompt
+    alone = TargetWorker(model, max_sequences=1, max_len=64)
+    alone.start([("x", PROMPT, GREEDY)])
+    tree = DraftTree([2, 8, 8], [-1, 0, 1])
+    expected = alone.runner.forward([TreeInput("x", tree.token_ids, tree.parents)])[0]
+    for seq_id in "abd":
+        assert worker.runner.committed_length(seq_id) == len(PROMPT) - 1
+        torch.testing.assert_close(worker.runner.forward([TreeInput(seq_id, tree.token_ids, tree.parents)])[0], expected, rtol=0, atol=0)
+        worker.runner.truncate(seq_id, len(PROMPT) - 1)
+
+
+def test_logprobs_come_from_the_verification_pass(tiny_model):
+    model, reference = tiny_model
+    worker = TargetWorker(model, max_sequences=1, max_len=64)
+    worker.start([("s", PROMPT, GREEDY)])
+    tree = DraftTree([2, 9, 9, 1], [-1, 0, 1, 2])
+    result = worker.verify([("s", tree, Shaping(logprobs=3))])[0]
+    sequence = PROMPT + result.new_tokens[:-1]
+    with torch.no_grad():
+        logits = reference(torch.tensor([sequence])).logits[0, len(PROMPT) - 1:].double()
+    expected = logits.log_softmax(-1)
+    assert [e.token for e in result.logprobs] == result.new_tokens
+    for row, entry in zip(expected, result.logprobs):
+        assert abs(entry.logprob - float(row[entry.token])) < 1e-5
+        top = row.topk(3)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert all(abs(lp - v) < 1e-5 for (_, lp), v in zip(entry.top, top.values.tolist()))
+    assert result.logprobs[0].top[0][0] == result.new_tokens[0]  # greedy: the chosen token is the likeliest
+
+
+def test_greedy_with_penalties_takes_the_penalised_argmax(tiny_model):
+    model, reference = tiny_model
+    worker = TargetWorker(model, max_sequences=1, max_len=64)
+    worker.start([("s", PROMPT, GREEDY)])
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT])).logits[0, -1].double()
+    top = int(logits.argmax())
+    penalties = Penalties(repetition=1.0, presence=2.0, frequency=2.0)
+    context = PenaltyContext(penalties, PROMPT + [top], len(PROMPT))  # the likeliest token already in the output
+    result = worker.verify([("s", DraftTree.root_only(PROMPT[-1]), Shaping(penalties=context))])[0]
+    penalised = logits.clone()
+    penalised[top] -= 4.0
+    assert result.next_token == int(penalised.argmax()) != top
