@@ -1,7 +1,8 @@
 """`specserve train eagle3|medusa`: the target's own answers and hidden states, then the head.
 
 Two resumable stages under one work folder (default `$SPECSERVE_CACHE/train/<model>`):
-1. data: the target answers the prompt set (speculators/train/prompts.py) with greedy decoding,
+1. data: the target answers the prompt set (speculators/train/prompts.py, plus user turns the
+   target writes itself, see `self_written_prompts`) with greedy decoding,
    in batches through the project's engine (prompt lookup drafts, which keeps it lossless and
    faster); a `HiddenRecorder` drafter keeps the hidden states the engine hands it from those same
    decoding passes (every layer any head here reads), so no second pass over the text is needed.
@@ -32,11 +33,15 @@ from speculators.train.dataset import Example, FeatureStore
 from speculators.train.eagle3 import Eagle3Objective, new_head
 from speculators.train.loop import TrainConfig, train
 from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
-from speculators.train.prompts import build_prompts
+from speculators.sampling import SamplingParams
+from speculators.train.prompts import Prompt, build_prompts
 from speculators.train.recorder import HiddenRecorder
 from speculators.train.vocab import coverage, frequent_tokens
 
 GENERATION_BATCH = 32
+SELF_PROMPT_INDEX = 1_000_000
+"""Self-written prompts' indices in the data start here (the written prompt set's lie below)."""
+SELF_PROMPT_TOKENS = 96
 """Prompts handed to the engine at once (it decodes `max_sequences` of them concurrently)."""
 
 
@@ -49,21 +54,53 @@ def recorded_layers(num_layers: int) -> tuple[int, ...]:
     return (*default_aux_layers(num_layers), num_layers)
 
 
+def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -> list[Prompt]:
+    """`count` user turns written by the target itself: sampled (temperature 1, top-p 0.95) after its
+    chat template's opening of a user turn, the way Magpie makes instruction data from a chat model
+    alone. Templates cover the kinds Spec-Bench measures; these cover what the model expects to be
+    asked, in its own words, which is what a served head meets most. Kept in `path` (JSON lines):
+    written once, so a resumed run answers the same prompts."""
+    prompts = [json.loads(line)["text"] for line in path.read_text().splitlines()] if path.exists() else []
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                             add_generation_prompt=True)
+    opening = tokenizer.encode(template[: template.index("\x00")], add_special_tokens=False)
+    seen, seed = set(prompts), len(prompts)
+    engine = local_engine(target, tokenizer, None, SchedulerConfig(max_sequences=GENERATION_BATCH,
+                                                                   max_len=len(opening) + SELF_PROMPT_TOKENS + 1))
+    while len(prompts) < count and seed < 4 * count + 64:
+        sampling = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i) for i in range(GENERATION_BATCH)]
+        seed += GENERATION_BATCH
+        requests = [GenerationRequest(uuid.uuid4().hex, opening, s, max_new_tokens=SELF_PROMPT_TOKENS, speculate=False)
+                    for s in sampling]
+        for output in engine.generate(requests):
+            text = output.text.strip()
+            if len(text.split()) >= 4 and text not in seen and len(prompts) < count:  # a turn cut at the limit still asks
+                seen.add(text)
+                prompts.append(text)
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in prompts))
+        log(f"data: {len(prompts)}/{count} self-written prompts")
+    return [Prompt("self", text) for text in prompts]
+
+
 def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
-                  max_prompt_tokens: int = 1024, device: str = "cpu", log=print) -> FeatureStore:
-    """The target's greedy answers to the prompt set, with their hidden states, into `folder`."""
+                  max_prompt_tokens: int = 1024, device: str = "cpu", self_prompts: int = 0, log=print) -> FeatureStore:
+    """The target's greedy answers to the prompt set and to `self_prompts` prompts it writes itself,
+    with their hidden states, into `folder`."""
     target = load_model(model, device=device)
     store = FeatureStore(folder, recorded_layers(target.config.num_layers))
     done = store.recorded()
     tokenizer = load_tokenizer(model)
-    prompts = build_prompts(count)
-    todo = [(i, p, encode_prompt(tokenizer, p.text, chat=True)) for i, p in enumerate(prompts) if i not in done]
-    todo = [item for item in todo if len(item[2]) <= max_prompt_tokens]
-    log(f"data: {len(done)} answers recorded, {len(todo)} to go ({folder})")
     recorder = HiddenRecorder(PromptLookupProposer(), store.layers)
     config = SchedulerConfig(max_sequences=max_sequences, max_len=max_prompt_tokens + max_new_tokens + 1,
                              min_acceptance=0.0)  # keep drafting, so every step's rows reach the recorder
     engine = local_engine(target, tokenizer, recorder, config)
+    numbered = list(enumerate(build_prompts(count)))
+    if self_prompts:
+        written = self_written_prompts(target, tokenizer, self_prompts, folder.parent / "self-prompts.jsonl", log)
+        numbered += [(SELF_PROMPT_INDEX + i, prompt) for i, prompt in enumerate(written)]
+    todo = [(i, p, encode_prompt(tokenizer, p.text, chat=True)) for i, p in numbered if i not in done]
+    todo = [item for item in todo if len(item[2]) <= max_prompt_tokens]
+    log(f"data: {len(done)} answers recorded, {len(todo)} to go ({folder})")
     for start in range(0, len(todo), GENERATION_BATCH):
         batch = todo[start:start + GENERATION_BATCH]
         requests = [GenerationRequest(uuid.uuid4().hex, ids, max_new_tokens=max_new_tokens) for _, _, ids in batch]
@@ -119,6 +156,7 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         save_medusa(module, out, verifier, choices)
     steps = json.loads((folder / "runs" / kind / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     return {"kind": kind, "target": verifier, "training_answers": len(train_set), "held_out_answers": len(held_out),
+            "self_written_answers": sum(e.index >= SELF_PROMPT_INDEX for e in examples),
             "response_tokens": sum(len(r) for r in responses), "rows": sum(e.hidden.shape[0] for e in train_set),
             "steps": steps, "held_out": figures, "config": asdict(config), "draft_vocab": len(vocabulary),
             "vocab_coverage": coverage([e.tokens[e.prompt_length:] for e in held_out], vocabulary, target_config.vocab_size),
@@ -130,7 +168,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: a known name, a .gguf file or a HF directory")
     parser.add_argument("--out", type=Path, default=None, help="where the head goes (default: <workdir>/<kind>)")
     parser.add_argument("--workdir", type=Path, default=None, help="data and run checkpoints (default: $SPECSERVE_CACHE/train/<model>)")
-    parser.add_argument("--prompts", type=int, default=1200, help="prompts the target answers")
+    parser.add_argument("--prompts", type=int, default=1200, help="prompts of the written prompt set the target answers")
+    parser.add_argument("--self-prompts", type=int, default=1200,
+                        help="prompts the target writes itself (sampled user turns) and then answers")
     parser.add_argument("--max-new-tokens", type=int, default=192, help="longest answer")
     parser.add_argument("--max-sequences", type=int, default=8, help="answers decoded at once")
     parser.add_argument("--no-generate", action="store_true", help="train on the data already recorded, without adding more")
@@ -150,7 +190,8 @@ def run(args) -> int:
     folder = args.workdir or work_folder(args.model)
     out = args.out or folder / args.kind
     if not args.no_generate:
-        generate_data(args.model, folder / "data", args.prompts, args.max_new_tokens, args.max_sequences, device=args.device)
+        generate_data(args.model, folder / "data", args.prompts, args.max_new_tokens, args.max_sequences,
+                      device=args.device, self_prompts=args.self_prompts)
     config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
                          autocast=not args.no_autocast)
     card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,
@@ -169,7 +210,8 @@ def write_card(out: Path, card: dict) -> None:
     lines = [
         f"# {card['kind']} head for {card['target']}", "",
         f"Trained by `{card['command']}`.", "",
-        f"- data: the target's own greedy answers to {card['training_answers'] + card['held_out_answers']} prompts of "
+        f"- data: the target's own greedy answers to {card['training_answers'] + card['held_out_answers']} prompts, "
+        f"{card.get('self_written_answers', 0)} of them user turns the target wrote itself, the rest from "
         "speculators/train/prompts.py (chat, writing, translation, summaries of documents, questions, questions about "
         f"documents, math, code; none from Spec-Bench): {card['response_tokens']} response tokens and "
         f"{card['rows']} hidden-state rows for training; {card['held_out_answers']} answers held out",

@@ -107,6 +107,7 @@ DRAFTERS = {
     "suffix": {"method": "suffix", "suffix_decoding_max_spec_factor": 2.0},
     "eagle3": {"method": "eagle3", "draft": "<eagle3 head>"},
     "medusa": {"method": "medusa", "draft": "<medusa head>"},
+    "suffix-eagle3": {"method": "eagle3", "draft": "<eagle3 head>", "suffix_min_score": 1.0},
 }
 """EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>' and '<medusa head>' stand for
 the paths of the separate tiny draft and of the random heads (engines.PLACEHOLDERS)."""
@@ -141,6 +142,7 @@ CASES = [
     Case("eagle3-chain", "eagle3"),
     Case("eagle3-tree", "eagle3", engine=TREE),
     Case("medusa-tree", "medusa"),
+    Case("suffix-eagle3-chain", "suffix-eagle3"),
     # the planner cutting trees (deterministic trees) and sizing drafts (a costly drafter)
     Case("pld-tree-planned", "pld-tree", planned=True, lookahead=CONFIDENCE),
     Case("suffix-tree-planned", "suffix", planned=True, lookahead=CONFIDENCE),

@@ -21,6 +21,7 @@ from cluster.engine.spec_engine import SpecEngine
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.base import Proposer
 from speculators.proposers.draft_model import DraftModelProposer
+from speculators.proposers.hybrid import HybridProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.proposers.suffix import SuffixProposer
 
@@ -35,14 +36,14 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
         return PromptLookupProposer(config.prompt_lookup_num_tokens, config.prompt_lookup_max_ngram_size,
                                     config.prompt_lookup_max_branches)
     if config.method == "suffix":
-        return SuffixProposer(config.suffix_decoding_max_tree_depth, max_spec_factor=config.suffix_decoding_max_spec_factor,
-                              min_token_prob=config.suffix_decoding_min_token_prob,
-                              max_cached_tokens=config.suffix_decoding_max_cached_tokens)
+        return suffix_proposer(config)
     dtype = getattr(torch, config.dtype)
     if config.method in HEAD_METHODS:
         source = resolve_head(config.method, config.draft, config.model)
-        return head_proposer(config.method, source, load_config(resolve_model(config.model)), config.model,
+        head = head_proposer(config.method, source, load_config(resolve_model(config.model)), config.model,
                              config.draft_width, config.medusa_choices, target, dtype, config.device)
+        return head if config.suffix_min_score is None else HybridProposer(suffix_proposer(config), head,
+                                                                             config.suffix_min_score)
     layers = config.layer_skip_layers()
     if layers is not None and target is not None:
         draft = layer_skip_draft(target, layers)
@@ -57,6 +58,12 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
         )
     runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs)
     return DraftModelProposer(runner, width=config.draft_width)
+
+
+def suffix_proposer(config: EngineConfig) -> SuffixProposer:
+    return SuffixProposer(config.suffix_decoding_max_tree_depth, max_spec_factor=config.suffix_decoding_max_spec_factor,
+                          min_token_prob=config.suffix_decoding_min_token_prob,
+                          max_cached_tokens=config.suffix_decoding_max_cached_tokens)
 
 
 def local_engine(

@@ -72,6 +72,10 @@ class EngineConfig(SchedulerConfig):
     medusa_choices: list[list[int]] | None = Field(
         None, description="medusa: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); null "
         "takes the head checkpoint's own")
+    suffix_min_score: float | None = Field(
+        None, ge=0, description="eagle3/medusa: suffix decoding drafts first, and its tree is used when its "
+        "expected accepted tokens reach this score, else the head's (Arctic Inference's hybrid); null: the head "
+        "alone")
     prompt_lookup_num_tokens: int = Field(
         pld.NUM_TOKENS, ge=1, le=64, validation_alias=AliasChoices("prompt_lookup_num_tokens", "pld_num_pred_tokens"),
         description="prompt lookup: most tokens copied after a match (alias pld_num_pred_tokens)")

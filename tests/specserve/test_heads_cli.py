@@ -57,10 +57,12 @@ def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path
     model, out = str(tiny_chat_model_dir), tmp_path / "head"
     common = ["--model", model, "--workdir", str(tmp_path / "work"), "--out", str(out), "--epochs", "1",
               "--medusa-heads", "2", "--draft-vocab", "256", "--tree-size", "4"]
-    assert main(["train", "medusa", *common, "--prompts", "41", "--max-new-tokens", "6", "--batch-rows", "512"]) == 0
+    assert main(["train", "medusa", *common, "--prompts", "41", "--self-prompts", "3", "--max-new-tokens", "6",
+                 "--batch-rows", "512"]) == 0
     card = json.loads((out / "card.json").read_text())
     assert card["kind"] == "medusa" and card["steps"] >= 1 and len(card["medusa_choices"]) == 4
-    assert card["training_answers"] + card["held_out_answers"] == 41 and card["held_out_answers"] >= 1
+    assert card["training_answers"] + card["held_out_answers"] == 44 and card["held_out_answers"] >= 1
+    assert card["self_written_answers"] == 3
     assert "held-out" in (out / "README.md").read_text()
     assert main(["train", "medusa", *common, "--no-generate"]) == 0
     assert "resuming" in capsys.readouterr().out  # the run folder's checkpoint is picked up

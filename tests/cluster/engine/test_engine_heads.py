@@ -1,5 +1,5 @@
-"""Trained-head drafters (EAGLE-3 chain and dynamic tree, an EAGLE-1/2 checkpoint, Medusa) through
-the engine: greedy output identical to plain decoding, sampled output with the target's
+"""Trained-head drafters (EAGLE-3 chain and dynamic tree, an EAGLE-1/2 checkpoint, Medusa, and
+suffix decoding with an EAGLE-3 head behind it) through the engine: greedy output identical to plain decoding, sampled output with the target's
 distribution. The heads read the target's hidden states, which prefill and verification return."""
 from __future__ import annotations
 
@@ -10,20 +10,25 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from actors.target_worker import TargetWorker
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
+from speculators.hidden import TargetHidden
 from speculators.lookahead import LookaheadConfig
+from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
+from speculators.proposers.hybrid import HybridProposer, expected_accepted
 from speculators.proposers.medusa import MedusaProposer
+from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
 from tests.cluster.engine.test_engine_lossless import (  # noqa: F401  (plain_outputs is a fixture)
     LOOKAHEADS, PROMPTS, STEEP, exact_two_token_distribution, plain_outputs, run_engine)
 from tests.conftest import IdTokenizer, tiny_pair
 from tests.speculators.heads_fixtures import LAYERS, random_eagle1, random_eagle3, random_medusa
 
-KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa"]
-TRAINED = ("eagle3", "eagle3-tree", "medusa")
+KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa", "suffix+eagle3"]
+TRAINED = ("eagle3", "eagle3-tree", "medusa", "suffix+eagle3")
 """Kinds whose tests use heads trained on the tiny target (their drafts get accepted); the EAGLE-1
 head is random (no trainer here), so only its losslessness is tested."""
 MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -33,6 +38,9 @@ def head_proposer(kind: str, model, trained=None, vocab: int = 64, draft_vocab: 
     """A head of `kind` (trained when `trained` heads are given) wired to `model` as build_proposer
     wires a co-located one."""
     width = 3 if kind.endswith("tree") else 1
+    if kind.startswith("suffix+"):
+        return HybridProposer(SuffixProposer(), head_proposer(kind.removeprefix("suffix+"), model, trained, vocab,
+                                                              draft_vocab))
     if kind.startswith("eagle3"):
         head = trained[0] if trained else random_eagle3(draft_vocab=draft_vocab, vocab=vocab)
         head = copy.deepcopy(head).to(model.dtype)
@@ -92,7 +100,21 @@ def test_heads_get_the_hidden_states_they_read(tiny_model):
     assert not engine._hidden._pieces  # nothing left behind for finished requests
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa"])
+def test_the_hybrid_drafts_from_suffix_decoding_where_the_text_repeats_and_from_the_head_elsewhere(tiny_model):
+    model, _ = tiny_model
+    hybrid = HybridProposer(SuffixProposer(), head_proposer("eagle3", model))
+    target = TargetWorker(model, max_sequences=2, max_len=64, hidden_layers=hybrid.hidden_layers)
+    prompts = {"repeats": [5, 6, 7, 8, 9] * 4, "fresh": [11, 12, 13, 14, 15]}
+    rows = target.start([(name, tokens, SamplingParams()) for name, tokens in prompts.items()])
+    requests = [DraftRequest(name, tokens, 6, 16, hidden=TargetHidden(0, rows[name])) for name, tokens in prompts.items()]
+    alone = SuffixProposer().propose(requests)
+    assert expected_accepted(alone[0]) >= 1.0 > expected_accepted(alone[1])
+    trees = hybrid.propose(requests)
+    assert trees[0].token_ids == alone[0].token_ids  # the repeat: suffix decoding's run
+    assert alone[1].num_drafted == 0 and trees[1].num_drafted > 0  # elsewhere: the head's draft
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa", "suffix+eagle3"])
 def test_sampled_output_with_a_head_follows_the_target(kind):
     """Chi-square over the 64 cells of (first, second) token, 6,000 samples; the heads draft from 6
     of the 8 tokens (FR-Spec), so the two others only come from rejections."""
