@@ -15,12 +15,19 @@ from speculators.logprobs import TokenLogprob
 from speculators.lookahead import LookaheadPolicy
 
 
+MAX_COOLOFF_DOUBLINGS = 4
+"""A gate that keeps closing waits at most 2**4 = 16 times its base cooloff between retries."""
+
+
 @dataclass
 class SpeculationGate:
     """Switches speculation off for a request whose drafts keep being rejected, then retries.
 
     Tracks an exponential average of the fraction of drafted depth the target accepted; once closed
-    it stays closed for `cooloff_steps` steps.
+    it stays closed for `cooloff_steps` steps. Every retry pays `warmup_steps` drafted steps, so a
+    retry that fails again doubles the wait (up to MAX_COOLOFF_DOUBLINGS times): a drafter that
+    never fits a request costs it a few steps, not one in three. A retry that stays open for
+`cooloff_steps` drafted steps resets the wait.
     """
 
     min_acceptance: float
@@ -29,6 +36,7 @@ class SpeculationGate:
     average: float = 1.0
     drafted_steps: int = 0
     off_for: int = 0
+    failed_retries: int = 0
 
     @property
     def is_open(self) -> bool:
@@ -43,9 +51,14 @@ class SpeculationGate:
             return
         self.drafted_steps += 1
         self.average = 0.7 * self.average + 0.3 * (accepted / drafted_depth)
-        if self.drafted_steps >= self.warmup_steps and self.average < self.min_acceptance:
-            self.off_for = self.cooloff_steps
+        if self.drafted_steps < self.warmup_steps:
+            return
+        if self.average < self.min_acceptance:
+            self.off_for = self.cooloff_steps * 2 ** min(self.failed_retries, MAX_COOLOFF_DOUBLINGS)
+            self.failed_retries += 1
             self.average, self.drafted_steps = 1.0, 0
+        elif self.drafted_steps >= self.cooloff_steps:  # open long enough: the retry held
+            self.failed_retries = 0
 
 
 @dataclass
