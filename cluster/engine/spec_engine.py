@@ -197,8 +197,9 @@ class SpecEngine:
         if index is None:  # every drafter is stuck in an earlier call: decode plainly
             return None
         requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
+        submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
         future = self.drafters[index].submit("propose", self._sent[index].outgoing(requests))
-        return _PendingDraft(future, index, [r.request_id for r in requests], time.perf_counter())
+        return _PendingDraft(future, index, [r.request_id for r in requests], submitted)
 
     def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:

@@ -1,5 +1,6 @@
 """The cost curve and goodput-based draft sizing."""
 import json
+import time
 
 import pytest
 import torch
@@ -7,8 +8,14 @@ import torch
 from actors.model.runner import ModelRunner
 from actors.model.timing import time_passes
 from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
+from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
 from cluster.engine.planner import Acceptance, Planned, Planner, path_probabilities, subtree
+from cluster.engine.request import GenerationRequest
+from speculators.lookahead import LookaheadConfig
+from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.tree import DraftTree
+from tests.conftest import IdTokenizer
 
 
 def curve(per_token: float, base: float = 1.0, flat_until: int = 1) -> CostCurve:
@@ -138,3 +145,22 @@ def test_draft_workers_get_only_new_tokens_and_name_requests_they_lost():
     assert reply.unknown == ["r"] and reply.trees[0].num_drafted == 0
     sent.forget(reply.unknown)
     assert sent.outgoing([DraftRequest("r", [1, 2, 3, 1, 2, 3, 1, 2, 3], 4, 4)])[0].start == 0
+
+
+class SlowLookup(PromptLookupProposer):
+    """Prompt lookup that takes 20 ms a call, as a small draft model would on a CPU."""
+
+    def propose(self, requests):
+        time.sleep(0.02)
+        return super().propose(requests)
+
+
+def test_an_in_process_drafters_time_reaches_the_stats_and_the_planner(tiny_model):
+    """A worker in this process drafts inside `submit`: timing from after it read zero, and the
+    planner then took a costly drafter's depth to be free."""
+    model, _ = tiny_model
+    engine = local_engine(model, IdTokenizer(), SlowLookup(), SchedulerConfig(max_sequences=2, max_len=256))
+    output = engine.generate([GenerationRequest("r", [1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=12,
+                                                lookahead=LookaheadConfig(policy="fixed", num_speculative_tokens=3))])[0]
+    assert output.stats.draft_seconds >= 0.015 * output.stats.target_forwards  # asked at (nearly) every step
+    assert engine._draft_seconds_per_depth > 0.001  # microseconds when timed after submit
