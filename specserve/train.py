@@ -29,20 +29,21 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
 from speculators.heads.checkpoint import default_aux_layers, save_eagle3, save_medusa
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.sampling import SamplingParams
 from speculators.train.dataset import Example, FeatureStore
 from speculators.train.eagle3 import Eagle3Objective, new_head
 from speculators.train.loop import TrainConfig, train
 from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
-from speculators.sampling import SamplingParams
 from speculators.train.prompts import Prompt, build_prompts
 from speculators.train.recorder import HiddenRecorder
 from speculators.train.vocab import coverage, frequent_tokens
 
 GENERATION_BATCH = 32
+"""Prompts handed to the engine at once (it decodes `max_sequences` of them concurrently)."""
 SELF_PROMPT_INDEX = 1_000_000
 """Self-written prompts' indices in the data start here (the written prompt set's lie below)."""
 SELF_PROMPT_TOKENS = 96
-"""Prompts handed to the engine at once (it decodes `max_sequences` of them concurrently)."""
+"""Longest self-written user turn."""
 
 
 def work_folder(model: str) -> Path:
@@ -61,6 +62,8 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     asked, in its own words, which is what a served head meets most. Kept in `path` (JSON lines):
     written once, so a resumed run answers the same prompts."""
     prompts = [json.loads(line)["text"] for line in path.read_text().splitlines()] if path.exists() else []
+    if len(prompts) >= count:
+        return [Prompt("self", text) for text in prompts]
     template = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                              add_generation_prompt=True)
     opening = tokenizer.encode(template[: template.index("\x00")], add_special_tokens=False)

@@ -27,7 +27,7 @@ class SpeculationGate:
     it stays closed for `cooloff_steps` steps. Every retry pays `warmup_steps` drafted steps, so a
     retry that fails again doubles the wait (up to MAX_COOLOFF_DOUBLINGS times): a drafter that
     never fits a request costs it a few steps, not one in three. A retry that stays open for
-`cooloff_steps` drafted steps resets the wait.
+    `cooloff_steps` drafted steps resets the wait.
     """
 
     min_acceptance: float
