@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cluster.engine.cost import CostCurve
 from speculators.tree import DraftTree
 
@@ -28,6 +30,13 @@ PRIOR_WEIGHT = 4.0
 """Pseudo-observations behind each estimate before the target has said anything."""
 DEPTH_PRIOR = 0.5
 """Acceptance assumed for a node whose drafter gives no confidence, before any observation."""
+DRAFTER_COST_MEMORY = 0.95
+"""Weight an earlier drafter call keeps at each new one: the fit follows about the last 20 calls."""
+EXPLORE_EVERY, EXPLORE_BACKOFF = 16, 16
+"""A costly drafter the planner stopped drafts one token after this many steps, so that what the
+planner believes of it (its cost, its acceptance) keeps being measured; each such try that does not
+bring drafting back doubles the wait, up to EXPLORE_BACKOFF times, so one that never pays costs
+next to nothing."""
 
 
 @dataclass
@@ -128,10 +137,45 @@ class Planned:
     probs: list[float] = field(default_factory=list)
 
 
+class DrafterCost:
+    """A costly drafter's seconds per call, fitted online as `fixed + per_row * rows + per_depth * depth`.
+
+    `rows` are the tokens the drafter catches up on (a request's whole prompt on its first call, the
+    tokens committed since its last call afterwards) and `depth` how deep it drafts. The split
+    matters: a trained head's first call reads every prompt token, and charging that to its depth
+    made drafting look dear enough that the planner stopped the head for good. Least squares with
+    forgetting, coefficients kept non-negative (a cost never falls as a call does more).
+    """
+
+    def __init__(self, memory: float = DRAFTER_COST_MEMORY):
+        self.memory = memory
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self.calls = 0
+
+    def observe(self, rows: int, depth: int, seconds: float) -> None:
+        x = np.array([1.0, rows, depth])
+        self._xx = self.memory * self._xx + np.outer(x, x)
+        self._xy = self.memory * self._xy + x * seconds
+        self.calls += 1
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(fixed, per_row, per_depth) seconds; all zero before the first call."""
+        ridge = 1e-9 * np.eye(3)  # only to make a fit of calls that never varied solvable
+        fixed, per_row, per_depth = np.linalg.solve(self._xx + ridge, self._xy).clip(min=0.0)
+        return float(fixed), float(per_row), float(per_depth)
+
+    def seconds(self, rows: float, depth: int) -> float:
+        fixed, per_row, per_depth = self.coefficients()
+        return fixed + per_row * rows + per_depth * depth
+
+
 @dataclass
 class Planner:
     cost: CostCurve
     acceptance: Acceptance = field(default_factory=Acceptance)
+    steps_since_drafting: int = 0
+    explore_after: int = EXPLORE_EVERY
 
     def trim(self, drafts: Sequence[Planned]) -> list[DraftTree]:
         """Each draft cut to the nodes that maximise the batch's expected tokens per second."""
@@ -158,16 +202,28 @@ class Planner:
             kept[index].append(node)
         return [subtree(d.tree, kept[i]) if d.trimmable else d.tree for i, d in enumerate(drafts)]
 
-    def depth(self, sequences: int, cap: int, draft_seconds_per_depth: float) -> int:
-        """How deep a costly drafter (a draft model) should draft for a batch, before it drafts:
-        the common depth that maximises expected tokens per second of drafting plus verifying,
-        with the acceptance learned at each depth so far."""
+    def depth(self, sequences: int, cap: int, drafter: DrafterCost) -> int:
+        """How deep a costly drafter (a draft model, a trained head) should draft for a batch, before
+        it drafts: the common depth that maximises expected tokens per second of drafting plus
+        verifying, with the acceptance learned at each depth so far. A step that drafts pays the
+        drafter's call: catching up on the tokens committed per step, and drafting. When no depth
+        pays, a step now and then still drafts one token (see EXPLORE_EVERY)."""
         best, best_depth = sequences / self.cost.seconds(sequences, sequences), 0
         value, path = float(sequences), 1.0
         for depth in range(1, cap + 1):
             path *= self.acceptance.probability(None, depth)
             value += sequences * path
-            goodput = value / (self.cost.seconds(sequences * (depth + 1), sequences) + depth * draft_seconds_per_depth)
-            if goodput > best:
-                best, best_depth = goodput, depth
-        return best_depth
+            seconds = self.cost.seconds(sequences * (depth + 1), sequences) + drafter.seconds(value, depth)
+            if value / seconds > best:
+                best, best_depth = value / seconds, depth
+        if best_depth or not cap:
+            self.steps_since_drafting = 0
+            if best_depth:
+                self.explore_after = EXPLORE_EVERY
+            return best_depth
+        self.steps_since_drafting += 1
+        if self.steps_since_drafting < self.explore_after:
+            return 0
+        self.steps_since_drafting = 0
+        self.explore_after = min(2 * self.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
+        return 1

@@ -30,7 +30,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import SentTokens, draft_requests
-from cluster.engine.planner import Planned, Planner, path_probabilities
+from cluster.engine.planner import DrafterCost, Planned, Planner, path_probabilities
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
 from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
@@ -57,6 +57,8 @@ class _PendingDraft:
     submitted: float
     """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
     by its requests as their draft time."""
+    rows: int
+    """Tokens the drafter catches up on in this call (what it had not seen of each request)."""
 
 
 @dataclass
@@ -89,7 +91,7 @@ class SpecEngine:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.planner = None if cost is None else Planner(cost)
         self.costly_drafter = costly_drafter
-        self._draft_seconds_per_depth = 0.0
+        self.drafter_cost = DrafterCost()
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self._sent = [SentTokens() for _ in self.drafters]
@@ -187,7 +189,7 @@ class SpecEngine:
         depth_cap = None
         if self.planner is not None and self.costly_drafter:
             cap = max((s.policy.depth() for s in states), default=0)
-            depth_cap = self.planner.depth(len(states), cap, self._draft_seconds_per_depth)
+            depth_cap = self.planner.depth(len(states), cap, self.drafter_cost)
         requests = draft_requests(states, self.config, depth_cap)
         if not requests:
             return None
@@ -197,9 +199,10 @@ class SpecEngine:
         if index is None:  # every drafter is stuck in an earlier call: decode plainly
             return None
         requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
+        outgoing = self._sent[index].outgoing(requests)
         submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
-        future = self.drafters[index].submit("propose", self._sent[index].outgoing(requests))
-        return _PendingDraft(future, index, [r.request_id for r in requests], submitted)
+        future = self.drafters[index].submit("propose", outgoing)
+        return _PendingDraft(future, index, [r.request_id for r in requests], submitted, sum(len(r.token_ids) for r in outgoing))
 
     def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
@@ -227,10 +230,9 @@ class SpecEngine:
             if request_id in self.active:
                 self.active[request_id].stats.draft_seconds += share
         usable = {request_id: tree for request_id, tree in zip(pending.request_ids, trees) if self._usable(request_id, tree)}
-        depth = max((tree.max_depth for tree in usable.values()), default=0)
-        if depth:
-            per_depth = (done - pending.submitted) / depth
-            self._draft_seconds_per_depth += 0.2 * (per_depth - self._draft_seconds_per_depth)
+        if self.costly_drafter:
+            depth = max((tree.max_depth for tree in usable.values()), default=0)
+            self.drafter_cost.observe(pending.rows, depth, done - pending.submitted)
         return usable
 
     def _usable(self, request_id: str, tree: object) -> bool:

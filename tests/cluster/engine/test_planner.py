@@ -10,7 +10,7 @@ from actors.model.timing import time_passes
 from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
-from cluster.engine.planner import Acceptance, Planned, Planner, path_probabilities, subtree
+from cluster.engine.planner import EXPLORE_EVERY, Acceptance, DrafterCost, Planned, Planner, path_probabilities, subtree
 from cluster.engine.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
@@ -81,10 +81,42 @@ def test_acceptance_learns_what_the_target_accepts():
     assert path_probabilities(tree, acceptance)[1] < 0.1
 
 
+def drafter_costing(fixed: float, per_row: float, per_depth: float) -> DrafterCost:
+    """A DrafterCost that has seen calls of several shapes, all costing exactly this."""
+    drafter = DrafterCost()
+    for rows, depth in [(300, 4), (2, 4), (1, 1), (3, 8), (40, 2), (1, 6)]:
+        drafter.observe(rows, depth, fixed + per_row * rows + per_depth * depth)
+    return drafter
+
+
 def test_a_costly_drafter_is_told_to_draft_shallower_when_its_passes_cost_more():
     planner = Planner(curve(per_token=0.01))
-    assert planner.depth(1, 8, draft_seconds_per_depth=0.0) > planner.depth(1, 8, draft_seconds_per_depth=1.0)
-    assert planner.depth(1, 8, draft_seconds_per_depth=10.0) == 0
+    assert planner.depth(1, 8, drafter_costing(0, 0, 0.0)) > planner.depth(1, 8, drafter_costing(0, 0, 1.0))
+    assert planner.depth(1, 8, drafter_costing(0, 0, 10.0)) == 0
+
+
+def test_the_drafters_cost_is_split_between_catching_up_and_drafting():
+    """A head's first call reads a whole prompt: charged to its depth, that made drafting look dear."""
+    fixed, per_row, per_depth = drafter_costing(0.002, 0.0001, 0.003).coefficients()
+    assert fixed == pytest.approx(0.002, abs=1e-6)
+    assert per_row == pytest.approx(0.0001, abs=1e-7)
+    assert per_depth == pytest.approx(0.003, abs=1e-6)
+    planner = Planner(curve(per_token=0.01))
+    for _ in range(20):
+        planner.acceptance.observe(chain(4, 0.9), [0, 1, 2, 3, 4])  # every drafted token accepted
+    assert planner.depth(1, 8, drafter_costing(0.002, 0.001, 0.003)) > 0  # a 300-token prompt cost 0.3 s
+
+
+def test_a_stopped_drafter_still_drafts_now_and_then_to_learn_whether_it_pays_again():
+    planner = Planner(curve(per_token=0.01))
+    dear = drafter_costing(0, 0, 10.0)
+    depths = [planner.depth(1, 8, dear) for _ in range(7 * EXPLORE_EVERY)]
+    explored = [step for step, depth in enumerate(depths, start=1) if depth]
+    assert set(depths) == {0, 1}
+    assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]  # each try that fails waits twice as long
+    assert planner.depth(1, 8, drafter_costing(0, 0, 0.0)) > 0
+    assert planner.explore_after == EXPLORE_EVERY  # drafting again: the next stop explores soon
+    assert planner.depth(1, 0, dear) == 0  # nothing to explore when no request may draft
 
 
 def test_timed_passes_leave_the_runner_as_they_found_it(tiny_model):
@@ -150,6 +182,8 @@ def test_draft_workers_get_only_new_tokens_and_name_requests_they_lost():
 class SlowLookup(PromptLookupProposer):
     """Prompt lookup that takes 20 ms a call, as a small draft model would on a CPU."""
 
+    runs_a_model = True
+
     def propose(self, requests):
         time.sleep(0.02)
         return super().propose(requests)
@@ -163,4 +197,4 @@ def test_an_in_process_drafters_time_reaches_the_stats_and_the_planner(tiny_mode
     output = engine.generate([GenerationRequest("r", [1, 2, 3, 4, 5, 1, 2, 3], max_new_tokens=12,
                                                 lookahead=LookaheadConfig(policy="fixed", num_speculative_tokens=3))])[0]
     assert output.stats.draft_seconds >= 0.015 * output.stats.target_forwards  # asked at (nearly) every step
-    assert engine._draft_seconds_per_depth > 0.001  # microseconds when timed after submit
+    assert engine.drafter_cost.seconds(1, 3) > 0.01  # microseconds when timed after submit
