@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from cluster.engine.cost import CostCurve
+from cluster.engine.learned_cost import DrafterCost
 from speculators.tree import DraftTree
 
 BUCKETS = 20
@@ -30,8 +30,6 @@ PRIOR_WEIGHT = 4.0
 """Pseudo-observations behind each estimate before the target has said anything."""
 DEPTH_PRIOR = 0.5
 """Acceptance assumed for a node whose drafter gives no confidence, before any observation."""
-DRAFTER_COST_MEMORY = 0.95
-"""Weight an earlier drafter call keeps at each new one: the fit follows about the last 20 calls."""
 EXPLORE_EVERY, EXPLORE_BACKOFF = 16, 16
 """A costly drafter the planner stopped drafts one token after this many steps, so that what the
 planner believes of it (its cost, its acceptance) keeps being measured; each such try that does not
@@ -135,39 +133,6 @@ class Planned:
     request that chose its own lookahead)."""
     factor: float = 1.0
     probs: list[float] = field(default_factory=list)
-
-
-class DrafterCost:
-    """A costly drafter's seconds per call, fitted online as `fixed + per_row * rows + per_depth * depth`.
-
-    `rows` are the tokens the drafter catches up on (a request's whole prompt on its first call, the
-    tokens committed since its last call afterwards) and `depth` how deep it drafts. The split
-    matters: a trained head's first call reads every prompt token, and charging that to its depth
-    made drafting look dear enough that the planner stopped the head for good. Least squares with
-    forgetting, coefficients kept non-negative (a cost never falls as a call does more).
-    """
-
-    def __init__(self, memory: float = DRAFTER_COST_MEMORY):
-        self.memory = memory
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
-        self.calls = 0
-
-    def observe(self, rows: int, depth: int, seconds: float) -> None:
-        x = np.array([1.0, rows, depth])
-        self._xx = self.memory * self._xx + np.outer(x, x)
-        self._xy = self.memory * self._xy + x * seconds
-        self.calls += 1
-
-    def coefficients(self) -> tuple[float, float, float]:
-        """(fixed, per_row, per_depth) seconds; all zero before the first call."""
-        ridge = 1e-9 * np.eye(3)  # only to make a fit of calls that never varied solvable
-        fixed, per_row, per_depth = np.linalg.solve(self._xx + ridge, self._xy).clip(min=0.0)
-        return float(fixed), float(per_row), float(per_depth)
-
-    def seconds(self, rows: float, depth: int) -> float:
-        fixed, per_row, per_depth = self.coefficients()
-        return fixed + per_row * rows + per_depth * depth
 
 
 @dataclass

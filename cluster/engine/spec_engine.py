@@ -30,7 +30,8 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import SentTokens, draft_requests
-from cluster.engine.planner import DrafterCost, Planned, Planner, path_probabilities
+from cluster.engine.learned_cost import DrafterCost
+from cluster.engine.planner import Planned, Planner, path_probabilities
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.sequence import ActiveRequest, SpeculationGate
 from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within

@@ -10,7 +10,8 @@ from actors.model.timing import time_passes
 from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
-from cluster.engine.planner import EXPLORE_EVERY, Acceptance, DrafterCost, Planned, Planner, path_probabilities, subtree
+from cluster.engine.learned_cost import DrafterCost
+from cluster.engine.planner import EXPLORE_EVERY, Acceptance, Planned, Planner, path_probabilities, subtree
 from cluster.engine.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
