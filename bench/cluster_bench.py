@@ -123,8 +123,7 @@ def markdown(report: dict) -> str:
     head = (f"Cluster bench: TP={config['tensor_parallel']}, {drafters} ({config['method']}), "
             f"{config['max_new_tokens']} new tokens, N requests in flight, medians of {config['rounds']} rounds, each "
             f"round's questions new and decoded speculatively then plainly; speculative outputs identical to plain "
-            f"decoding: "
-            f"{report['outputs_identical']}")
+            f"decoding: {report['outputs_identical']}")
     return head + "\n\n" + "\n".join(rows) + f"\n\nCommand: `{report['command']}`\n"
 
 

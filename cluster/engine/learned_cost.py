@@ -1,37 +1,13 @@
 """Costs learned from what calls actually took: a costly drafter's call (a draft model's, a trained
-head's), as a linear model fitted online by least squares with forgetting (`OnlineFit`), so it
-follows a machine whose load changes."""
+head's), fitted online by least squares with forgetting, so it follows a machine whose load changes."""
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
-
 MEMORY = 0.95
 """Weight an earlier call keeps at each new one: the fit follows about the last 20 calls."""
-
-
-class OnlineFit:
-    """y = coefficients . x, by least squares with forgetting, pulled towards `prior` by
-    `prior_weight` pseudo-observations; coefficients are kept non-negative (no cost falls as a
-    call does more)."""
-
-    def __init__(self, prior: Sequence[float], prior_weight: float, memory: float = MEMORY):
-        self.prior, self.prior_weight, self.memory = np.asarray(prior, float), prior_weight, memory
-        self._xx = np.zeros((len(prior), len(prior)))
-        self._xy = np.zeros(len(prior))
-        self.observations = 0
-
-    def observe(self, x: Sequence[float], y: float) -> None:
-        x = np.asarray(x, float)
-        self._xx = self.memory * self._xx + np.outer(x, x)
-        self._xy = self.memory * self._xy + x * y
-        self.observations += 1
-
-    def coefficients(self) -> np.ndarray:
-        prior = self.prior_weight * np.eye(len(self.prior))
-        return np.linalg.solve(self._xx + prior, self._xy + prior @ self.prior).clip(min=0.0)
+RIDGE = 1e-9
+"""Only to solve a fit of calls that never varied."""
 
 
 class DrafterCost:
@@ -40,18 +16,22 @@ class DrafterCost:
     `rows` are the tokens the drafter catches up on (a request's whole prompt on its first call, the
     tokens committed since its last call afterwards) and `depth` how deep it drafts. The split
     matters: a trained head's first call reads every prompt token, and charging that to its depth
-    made drafting look dear enough that the planner stopped the head for good.
+    made drafting look dear enough that the planner stopped the head for good. Coefficients are
+    kept non-negative: no cost falls as a call does more.
     """
 
     def __init__(self):
-        self.fit = OnlineFit([0.0, 0.0, 0.0], prior_weight=1e-9)  # only to solve fits of calls that never varied
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
 
     def observe(self, rows: int, depth: int, seconds: float) -> None:
-        self.fit.observe([1.0, rows, depth], seconds)
+        x = np.array([1.0, rows, depth])
+        self._xx = MEMORY * self._xx + np.outer(x, x)
+        self._xy = MEMORY * self._xy + x * seconds
 
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed, per_row, per_depth) seconds; all zero before the first call."""
-        fixed, per_row, per_depth = self.fit.coefficients()
+        fixed, per_row, per_depth = np.linalg.solve(self._xx + RIDGE * np.eye(3), self._xy).clip(min=0.0)
         return float(fixed), float(per_row), float(per_depth)
 
     def seconds(self, rows: float, depth: int) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
 from cluster.engine.cost import CostCurve
 from cluster.engine.learned_cost import DrafterCost
 from speculators.tree import DraftTree
