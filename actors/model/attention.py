@@ -2,8 +2,9 @@
 
 A backend attends the packed new tokens of a forward pass to their sequences' cached positions
 (prefix and new tokens alike, already in the cache), each under its sequence's mask, and returns
-the packed outputs. `sdpa` (the default everywhere) makes one masked SDPA call over each sequence's
-whole cached span; `split` (split_attention.py) attends the committed prefix without a mask (through
+the packed outputs. `sdpa` (the default everywhere) attends each sequence's whole cached span under
+its mask: one call per sequence over a view of its slot on a CPU, one padded call for the batch on
+a GPU (batch.py says why); `split` (split_attention.py) attends the committed prefix without a mask (through
 vllm_flash_attn when it imports on CUDA) and merges it with the masked tree block by log-sum-exp.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from actors.model.split_attention import SplitBackend
 
 if TYPE_CHECKING:
-    from actors.model.batch import PackedBatch
+    from actors.model.batch import PackedBatch, SequenceView
     from actors.model.kv_cache import KVCache
 
 
@@ -28,11 +29,15 @@ class AttentionBackend(Protocol):
 
 
 class SdpaBackend:
-    """torch.nn.functional.scaled_dot_product_attention with grouped-query heads."""
+    """torch.nn.functional.scaled_dot_product_attention with grouped-query heads: one call per
+    sequence over its cache slot where the batch says so (a CPU), else one padded call."""
 
     name = "sdpa"
 
     def attend(self, q, batch, cache, layer):
+        if batch.per_sequence:
+            outputs = [_attend_sequence(q, view, cache, layer) for view in batch.sequences]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         query = batch.queries(q)
         keys, values = batch.read(cache, layer)
         return batch.outputs(F.scaled_dot_product_attention(
@@ -40,6 +45,18 @@ class SdpaBackend:
             attn_mask=None if batch.mask is None else batch.mask.unsqueeze(1),
             enable_gqa=query.shape[1] != keys.shape[1],
         ))
+
+
+def _attend_sequence(q: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
+    """One sequence's packed queries [n, heads, d] against a view of its cache slot -> [n, heads * d]."""
+    query = q[view.rows].transpose(0, 1).unsqueeze(0)
+    keys = cache.keys[layer, view.slot: view.slot + 1, :, : view.end]
+    values = cache.values[layer, view.slot: view.slot + 1, :, : view.end]
+    attended = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return attended[0].transpose(0, 1).reshape(query.shape[2], -1)
 
 
 _BACKENDS = {"sdpa": SdpaBackend, "split": SplitBackend}

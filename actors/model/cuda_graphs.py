@@ -30,6 +30,7 @@ class StaticBatch(PackedBatch):
 
     def __init__(self, tokens: int, max_len: int, device: torch.device):
         super().__init__([Segment(0, max_len - tokens, tokens, torch.ones(tokens, max_len, dtype=torch.bool))], device)
+        self.per_sequence = False  # a graph replays the padded call over the buffers below
 
     def read(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return cache.keys[layer].index_select(0, self.slots), cache.values[layer].index_select(0, self.slots)
