@@ -1,0 +1,64 @@
+"""Stacked q/k/v and gate/up products: the same logits as separate ones, never stale weights."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from actors.model.fused import stack_in_place, stacked_view
+from actors.model.llama import LlamaDecoder, decoder_from_tensors
+from actors.model.runner import ModelRunner
+from speculators.proposers.base import TreeInput
+from speculators.tree import chain_parents
+from tests.conftest import tiny_pair
+
+
+def logits(model, ids):
+    runner = ModelRunner(model, 1, 64)
+    runner.add("s")
+    return runner.forward([TreeInput("s", ids, chain_parents(len(ids)))])[0]
+
+
+def test_stacking_makes_views_of_one_tensor_once():
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(2, 4), "c": torch.randn(1, 4)}
+    original = {name: t.clone() for name, t in tensors.items()}
+    assert stacked_view(list(tensors.values())) is None
+    stack_in_place(tensors, ["a", "b", "c"])
+    stacked = stacked_view([tensors["a"], tensors["b"], tensors["c"]])
+    torch.testing.assert_close(stacked, torch.cat(list(original.values())))
+    before = tensors["a"].data_ptr()
+    stack_in_place(tensors, ["a", "b", "c"])  # already stacked: no copy
+    assert tensors["a"].data_ptr() == before
+    assert stacked_view([tensors["b"], tensors["a"]]) is None  # out of order is not a stack
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qkv-bias"])
+def test_a_loaded_decoder_runs_stacked_products_with_the_same_logits(qkv_bias):
+    separate, _ = tiny_pair()
+    if qkv_bias:  # Qwen2's layout: q/k/v biases, stacked like the weights
+        state = {n: p.clone() for n, p in separate.named_parameters()}
+        separate = LlamaDecoder(dataclasses.replace(separate.config, qkv_bias=True)).to(torch.float64)
+        state |= {n: torch.randn_like(p) for n, p in separate.named_parameters() if n.endswith("bias")}
+        separate.load_state_dict(state)
+    loaded = decoder_from_tensors(separate.config, {n: p.clone() for n, p in separate.named_parameters()})
+    layer = loaded.model.layers[0]
+    assert layer.self_attn.qkv._weights() is not None and layer.mlp.gate_up._weights() is not None
+    assert (layer.self_attn.qkv._weights()[1] is not None) == qkv_bias
+    assert separate.model.layers[0].self_attn.qkv._weights() is None  # built without the loader
+    ids = list(range(3, 20))
+    torch.testing.assert_close(logits(loaded, ids), logits(separate, ids))
+
+
+def test_weights_assigned_after_loading_are_the_ones_used():
+    separate, _ = tiny_pair()
+    loaded = decoder_from_tensors(separate.config, {n: p.clone() for n, p in separate.named_parameters()})
+    ids = list(range(3, 20))
+    before = logits(loaded, ids)
+    changed = {n: p.clone() * (1.5 if n.endswith(("k_proj.weight", "up_proj.weight")) else 1.0)
+               for n, p in loaded.named_parameters()}
+    loaded.load_state_dict(changed, assign=True)
+    reference = decoder_from_tensors(separate.config, {n: t.clone() for n, t in changed.items()})
+    after = logits(loaded, ids)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, logits(reference, ids))
