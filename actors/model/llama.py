@@ -17,6 +17,7 @@ from torch import nn
 from actors.model.attention import AttentionBackend, get_backend
 from actors.model.batch import PackedBatch, Segment
 from actors.model.config import DecoderConfig
+from actors.model.fused import JointProjection, stack_in_place
 from actors.model.kv_cache import KVCache
 from actors.model.sharding import Communicator, ShardPlan
 
@@ -97,12 +98,14 @@ class Attention(nn.Module):
         self.k_proj = Projection(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Projection(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Projection(self.num_heads * self.head_dim, hidden, bias=False)
+        self.qkv = JointProjection((self.q_proj, self.k_proj, self.v_proj), project)
 
     def forward(self, x, cos, sin, layer: int, batch: PackedBatch, cache: KVCache, backend: AttentionBackend):
         tokens = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         batch.write(cache, layer, k, v)
         return self.o_proj(backend.attend(q, batch, cache, layer))
 
@@ -114,9 +117,11 @@ class MLP(nn.Module):
         self.gate_proj = Projection(config.hidden_size, end - start, bias=False)
         self.up_proj = Projection(config.hidden_size, end - start, bias=False)
         self.down_proj = Projection(end - start, config.hidden_size, bias=False)
+        self.gate_up = JointProjection((self.gate_proj, self.up_proj), project)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -296,13 +301,23 @@ def decoder_from_tensors(
     source: str = "checkpoint",
 ) -> LlamaDecoder:
     """A decoder whose parameters are the given tensors themselves (no copy): how checkpoints are
-    loaded and how a self-draft shares its target's weights. Extra tensors are ignored."""
+    loaded and how a self-draft shares its target's weights. Extra tensors are ignored. Each
+    layer's q/k/v and gate/up tensors are first stacked, so that each group runs as one product:
+    their entries in `tensors` become views of the stacked tensor (fused.py)."""
     with torch.device("meta"):
         model = LlamaDecoder(config, plan, comm, attention_backend)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - set(tensors)
     if missing:
         raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    for index in range(config.num_layers):
+        prefix = f"model.layers.{index}."
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            module = "self_attn" if group[0] == "q_proj" else "mlp"
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{module}.{name}.{kind}" for name in group]
+                if all(name in expected for name in names):
+                    stack_in_place(tensors, names)
     model.load_state_dict({name: tensors[name] for name in expected}, strict=False, assign=True)
     model.rotary = RotaryEmbedding(config).to(model.device)  # its buffers were created on meta
     return model

@@ -162,6 +162,8 @@ def load_model(
         except Exception as error:  # safetensors says what is wrong, not which file
             raise WeightsError(f"{file}: not a readable safetensors file ({type(error).__name__}: {error}); "
                                "is it truncated or corrupt?") from error
+    # on the device before the decoder stacks its projections: a later move would copy them apart
+    state = {name: tensor.to(device) for name, tensor in state.items()}
     model = decoder_from_tensors(config, state, plan, comm, attention_backend, source=f"{path}: checkpoint")
     return model.to(device).eval()
 
