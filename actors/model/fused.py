@@ -67,7 +67,8 @@ class JointProjection:
         key = tuple(t.data_ptr() for t in weights) + tuple(0 if b is None else b.data_ptr() for b in biases)
         if key != self._key:
             weight = stacked_view(weights)
-            bias = None if biases[0] is None or any(b is None for b in biases) else stacked_view(biases)
-            usable = weight is not None and (all(b is None for b in biases) or bias is not None)
+            has_bias = [b is not None for b in biases]
+            bias = stacked_view(biases) if all(has_bias) else None
+            usable = weight is not None and (bias is not None or not any(has_bias))
             self._key, self._stacked = key, (weight, bias) if usable else None
         return self._stacked

@@ -312,8 +312,7 @@ def decoder_from_tensors(
         raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     for index in range(config.num_layers):
         prefix = f"model.layers.{index}."
-        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            module = "self_attn" if group[0] == "q_proj" else "mlp"
+        for module, group in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
             for kind in ("weight", "bias"):
                 names = [f"{prefix}{module}.{name}.{kind}" for name in group]
                 if all(name in expected for name in names):
