@@ -1,0 +1,44 @@
+"""What one call of the committed EAGLE-3 head costs, alone: catch up on one committed token and
+draft to depth d (0, 1, 2, 4), as a chain and as the width-4 tree; median of 15 calls over a
+300-token context. The planner fits the same cost from the engine's own calls; this is the figure
+to hold that fit against.
+
+    .venv/bin/python -m bench.head_cost
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from actors.model.heads import head_proposer, resolve_head
+from actors.model.loader import DEFAULT_MODEL, load_config, load_model, resolve_model
+from speculators.hidden import TargetHidden
+from speculators.proposers.base import DraftRequest
+
+CONTEXT, CALLS = 300, 15
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    target = load_model(DEFAULT_MODEL)
+    config = load_config(resolve_model(DEFAULT_MODEL))
+    source = resolve_head("eagle3", "eagle3:" + DEFAULT_MODEL, DEFAULT_MODEL)
+    for width in (1, 4):
+        proposer = head_proposer("eagle3", source, config, DEFAULT_MODEL, width, None, target, torch.float32, "cpu")
+        rows = config.hidden_size * len(proposer.hidden_layers)
+        tokens = torch.randint(1000, (CONTEXT,)).tolist()
+        proposer.propose([DraftRequest("r", tokens, 0, 0, hidden=TargetHidden(0, torch.randn(CONTEXT - 1, rows)))])
+        for depth in (0, 1, 2, 4):
+            times = []
+            for _ in range(CALLS):
+                tokens = tokens + [int(torch.randint(1000, ()))]
+                request = DraftRequest("r", tokens, depth, 32, hidden=TargetHidden(len(tokens) - 2, torch.randn(1, rows)))
+                began = time.perf_counter()
+                proposer.propose([request])
+                times.append(time.perf_counter() - began)
+            print(f"width {width}, depth {depth}: {sorted(times)[CALLS // 2] * 1000:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
