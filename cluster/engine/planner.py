@@ -49,36 +49,57 @@ class _Rate:
 class Acceptance:
     """P(target accepts a node | its parent was accepted), learned from verification results: by
     the drafter's confidence in the node when it gives one, and by depth (what is expected of a
-    node before it is drafted)."""
+    node before it is drafted).
+
+    Apart from those per-node rates, `reach` learns P(the accepted path goes one deeper | it reached
+    this depth's parent level): what a drafter's depth is worth before it drafts. For a chain the two
+    are the same; in a tree every sibling is a try and at most one is accepted, so per-node rates
+    read a width-4 tree's depths up to four times lower than what drafting that deep brings."""
 
     def __init__(self):
         self._by_confidence = [_Rate(PRIOR_WEIGHT * (b + 0.5) / BUCKETS, PRIOR_WEIGHT) for b in range(BUCKETS)]
         self._by_depth: dict[int, _Rate] = {}
+        self._reach_by_depth: dict[int, _Rate] = {}
 
-    def _depth_rate(self, depth: int) -> _Rate:
-        return self._by_depth.setdefault(depth, _Rate(PRIOR_WEIGHT * DEPTH_PRIOR, PRIOR_WEIGHT))
+    @staticmethod
+    def _at(rates: dict[int, _Rate], depth: int) -> _Rate:
+        return rates.setdefault(depth, _Rate(PRIOR_WEIGHT * DEPTH_PRIOR, PRIOR_WEIGHT))
 
     def _confidence_rate(self, confidence: float) -> _Rate:
         return self._by_confidence[min(int(confidence * BUCKETS), BUCKETS - 1)]
 
     def probability(self, confidence: float | None, depth: int) -> float:
-        rate = self._depth_rate(depth) if confidence is None else self._confidence_rate(confidence)
+        """One node's chance, given its parent was accepted."""
+        rate = self._at(self._by_depth, depth) if confidence is None else self._confidence_rate(confidence)
         return rate.value
 
+    def reach(self, depth: int) -> float:
+        """The chance that a draft of this depth has a node accepted there, given it reached depth - 1."""
+        return self._at(self._reach_by_depth, depth).value
+
     def observe(self, tree: DraftTree, accepted_nodes: Sequence[int]) -> None:
-        """Every drafted node whose parent the target accepted was tried: accepted or not."""
+        """Every drafted node whose parent the target accepted was tried: accepted or not; each depth
+        the tree had below the accepted path's end was one try at reaching it."""
         on_path = set(accepted_nodes)
         depths = tree.depths
+        tried_depths = set()
         for node in range(1, tree.size):
             if tree.parents[node] not in on_path:
                 continue
+            accepted = node in on_path
+            tried_depths.add(depths[node])
             confidence = _confidence(tree, node)
-            rates = [self._depth_rate(depths[node])]
+            rates = [self._at(self._by_depth, depths[node])]
             if confidence is not None:
                 rates.append(self._confidence_rate(confidence))
             for rate in rates:
                 rate.tried += 1
-                rate.accepted += node in on_path
+                rate.accepted += accepted
+        reached = len(accepted_nodes) - 1
+        for depth in tried_depths:
+            rate = self._at(self._reach_by_depth, depth)
+            rate.tried += 1
+            rate.accepted += depth <= reached
 
 
 @dataclass
@@ -175,7 +196,7 @@ class Planner:
         best, best_depth = sequences / self.cost.seconds(sequences, sequences), 0
         value, path = float(sequences), 1.0
         for depth in range(1, cap + 1):
-            path *= self.acceptance.probability(None, depth)
+            path *= self.acceptance.reach(depth)
             value += sequences * path
             seconds = self.cost.seconds(sequences * (depth + 1), sequences) + drafter.seconds(value, depth)
             if value / seconds > best:

@@ -82,6 +82,22 @@ def test_acceptance_learns_what_the_target_accepts():
     assert path_probabilities(tree, acceptance)[1] < 0.1
 
 
+def test_a_trees_siblings_do_not_count_against_how_deep_it_pays_to_draft():
+    """A width-4 tree whose path is accepted 3 deep: each node had 1 in 4, each depth was reached."""
+    tokens, parents = [0], [-1]
+    for depth in range(3):
+        first = len(tokens)
+        tokens += [10 * depth + k for k in range(1, 5)]
+        parents += [first - 4 if depth else 0] * 4
+    tree = DraftTree(tokens, parents)
+    planner = Planner(curve(per_token=0.01))
+    for _ in range(50):
+        planner.acceptance.observe(tree, [0, 1, 5, 9])  # the first sibling at each depth
+    assert planner.acceptance.probability(None, 2) < 0.3
+    assert planner.acceptance.reach(2) > 0.9 and planner.acceptance.reach(3) > 0.9
+    assert planner.depth(1, 3, drafter_costing(0, 0, 0.02)) == 3
+
+
 def drafter_costing(fixed: float, per_row: float, per_depth: float) -> DrafterCost:
     """A DrafterCost that has seen calls of several shapes, all costing exactly this."""
     drafter = DrafterCost()
