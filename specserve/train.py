@@ -85,6 +85,36 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     return [Prompt("self", text) for text in prompts]
 
 
+class AnswerRecorder:
+    """The target's greedy answers with the hidden states of prompt and answer, as training examples.
+
+    The engine decodes with prompt lookup drafts (lossless, and faster) through a `HiddenRecorder`
+    that keeps the rows every pass hands the drafter, so no second pass over the text is needed."""
+
+    def __init__(self, target, tokenizer, layers: tuple[int, ...], max_sequences: int, max_len: int):
+        self.recorder = HiddenRecorder(PromptLookupProposer(), layers)
+        config = SchedulerConfig(max_sequences=max_sequences, max_len=max_len,
+                                 min_acceptance=0.0)  # keep drafting, so every step's rows reach the recorder
+        self.engine = local_engine(target, tokenizer, self.recorder, config)
+
+    def record(self, prompts: list[tuple[int, list[int], bool]], max_new_tokens: int) -> list[Example]:
+        """(index, prompt ids, held out) -> one example per answered prompt."""
+        requests = [GenerationRequest(uuid.uuid4().hex, ids, max_new_tokens=max_new_tokens) for _, ids, _ in prompts]
+        examples = []
+        for (index, ids, held_out), request, output in zip(prompts, requests, self.engine.generate(requests)):
+            rows = self.recorder.collect(request.request_id)
+            if rows is None:
+                continue
+            tokens = torch.tensor(ids + output.token_ids)[: rows.shape[0] + 1]
+            examples.append(Example(index, tokens, rows, len(ids), held_out))
+        return examples
+
+
+def head_objective(kind: str, module, ttt_steps: int = 3):
+    """What training minimises and evaluation reports for an `eagle3` or `medusa` head."""
+    return Eagle3Objective(module, ttt_steps) if kind == "eagle3" else MedusaObjective(module)
+
+
 def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
                   max_prompt_tokens: int = 1024, device: str = "cpu", self_prompts: int = 0, log=print) -> FeatureStore:
     """The target's greedy answers to the prompt set and to `self_prompts` prompts it writes itself,
@@ -93,10 +123,7 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     store = FeatureStore(folder, recorded_layers(target.config.num_layers))
     done = store.recorded()
     tokenizer = load_tokenizer(model)
-    recorder = HiddenRecorder(PromptLookupProposer(), store.layers)
-    config = SchedulerConfig(max_sequences=max_sequences, max_len=max_prompt_tokens + max_new_tokens + 1,
-                             min_acceptance=0.0)  # keep drafting, so every step's rows reach the recorder
-    engine = local_engine(target, tokenizer, recorder, config)
+    answers = AnswerRecorder(target, tokenizer, store.layers, max_sequences, max_prompt_tokens + max_new_tokens + 1)
     numbered = list(enumerate(build_prompts(count)))
     if self_prompts:
         written = self_written_prompts(target, tokenizer, self_prompts, folder.parent / "self-prompts.jsonl", log)
@@ -106,15 +133,7 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     log(f"data: {len(done)} answers recorded, {len(todo)} to go ({folder})")
     for start in range(0, len(todo), GENERATION_BATCH):
         batch = todo[start:start + GENERATION_BATCH]
-        requests = [GenerationRequest(uuid.uuid4().hex, ids, max_new_tokens=max_new_tokens) for _, _, ids in batch]
-        examples = []
-        for (index, prompt, ids), request, output in zip(batch, requests, engine.generate(requests)):
-            rows = recorder.collect(request.request_id)
-            if rows is None:
-                continue
-            tokens = torch.tensor(ids + output.token_ids)[: rows.shape[0] + 1]
-            examples.append(Example(index, tokens, rows, len(ids), prompt.held_out))
-        store.write(examples)
+        store.write(answers.record([(index, ids, prompt.held_out) for index, prompt, ids in batch], max_new_tokens))
         log(f"data: {len(done) + start + len(batch)}/{len(done) + len(todo)}")
     return store
 
@@ -145,10 +164,9 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
     if kind == "eagle3":
         module = new_head(target_config.hf_config, vocabulary, layers, lm_head[vocabulary])
         module.share_target(embedding["model.embed_tokens.weight"])
-        objective = Eagle3Objective(module, ttt_steps)
     else:
         module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
-        objective = MedusaObjective(module)
+    objective = head_objective(kind, module, ttt_steps)
     held = train(module, objective, train_set, held_out, config, folder / "runs" / kind, log)
     figures = objective.summary(held)
     verifier = verifier or str(model)

@@ -7,14 +7,18 @@ used when its expected accepted length (the sum of its nodes' path probabilities
 its counts) reaches `min_suffix_score`; otherwise the head's tree. The choice depends on the
 context alone, never on what the head drafted or sampled, so sampled output stays lossless.
 
-The head sees every call's hidden states whichever tree wins (it keeps its K/V of committed rows
-current), and drafts only for the requests suffix decoding leaves to it.
+The head runs only for the requests suffix decoding leaves to it: the hidden states of steps the
+suffix tree won wait here and reach the head with its next draft for that request, as one longer
+catch-up. A call costs a fixed part besides its rows, so a step that suffix decoding serves alone
+costs no head call at all (on translation the hybrid kept pace with suffix decoding's tokens a
+pass but paid ~2.7 ms a pass for head calls that drafted nothing).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
 
+from speculators.hidden import PendingHidden
 from speculators.proposers.base import DraftRequest, Proposer
 from speculators.proposers.suffix import SuffixProposer
 from speculators.tree import DraftTree
@@ -42,15 +46,23 @@ class HybridProposer(Proposer):
         self.suffix, self.head, self.min_suffix_score = suffix, head, min_suffix_score
         self.name = f"suffix+{head.name}"
         self.hidden_layers, self.hidden_dtype = head.hidden_layers, head.hidden_dtype
+        self._waiting = PendingHidden()
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         trees = self.suffix.propose(requests)
-        wins = [expected_accepted(tree) >= self.min_suffix_score for tree in trees]
-        # requests the suffix tree serves still hand the head their hidden states, asking no draft
-        head_trees = iter(self.head.propose([
-            request if not won else _catch_up_only(request) for request, won in zip(requests, wins)
-        ]))
-        return [tree if won else head_tree for tree, won, head_tree in zip(trees, wins, head_trees)]
+        for_head = []
+        for index, (request, tree) in enumerate(zip(requests, trees)):
+            if request.hidden is not None:
+                self._waiting.add(request.request_id, request.hidden.start, request.hidden.states)
+            if expected_accepted(tree) < self.min_suffix_score:
+                for_head.append(index)
+        if for_head:
+            head_trees = self.head.propose([
+                replace(requests[i], hidden=self._waiting.take(requests[i].request_id)) for i in for_head
+            ])
+            for index, tree in zip(for_head, head_trees):
+                trees[index] = tree
+        return trees
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.suffix.on_accept(request_id, token_ids)
@@ -59,11 +71,8 @@ class HybridProposer(Proposer):
     def release(self, request_id: str) -> None:
         self.suffix.release(request_id)
         self.head.release(request_id)
+        self._waiting.take(request_id)
 
     def learn(self, output_ids: Sequence[int]) -> None:
         self.suffix.learn(output_ids)
         self.head.learn(output_ids)
-
-
-def _catch_up_only(request: DraftRequest) -> DraftRequest:
-    return replace(request, num_speculative_tokens=0, max_nodes=0)

@@ -114,6 +114,25 @@ def test_the_hybrid_drafts_from_suffix_decoding_where_the_text_repeats_and_from_
     assert alone[1].num_drafted == 0 and trees[1].num_drafted > 0  # elsewhere: the head's draft
 
 
+def test_the_hybrid_runs_the_head_only_when_it_drafts_and_hands_it_the_rows_it_missed(tiny_model):
+    """Steps served by suffix decoding make no head call; the head's next draft then catches up on
+    their rows too, and drafts what a head that saw every row drafts."""
+    model, _ = tiny_model
+    hybrid = HybridProposer(SuffixProposer(), head_proposer("eagle3", model))
+    asked = []
+    propose = hybrid.head.propose
+    hybrid.head.propose = lambda requests: asked.append([r.request_id for r in requests]) or propose(requests)
+    target = TargetWorker(model, max_sequences=1, max_len=64, hidden_layers=hybrid.hidden_layers)
+    tokens = [5, 6, 7, 8, 9] * 4 + [20, 21, 22]
+    rows = target.start([("r", tokens, SamplingParams())])["r"]  # every committed token's row but the root's
+    repeat = hybrid.propose([DraftRequest("r", tokens[:20], 6, 16, hidden=TargetHidden(0, rows[:19]))])[0]
+    assert expected_accepted(repeat) >= 1.0 and not asked
+    fresh = hybrid.propose([DraftRequest("r", tokens, 6, 16, hidden=TargetHidden(19, rows[19:]))])[0]
+    assert asked == [["r"]]
+    alone = head_proposer("eagle3", model).propose([DraftRequest("r", tokens, 6, 16, hidden=TargetHidden(0, rows))])[0]
+    assert fresh.num_drafted > 0 and fresh.token_ids == alone.token_ids and fresh.parents == alone.parents
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa", "suffix+eagle3"])
 def test_sampled_output_with_a_head_follows_the_target(kind):
     """Chi-square over the 64 cells of (first, second) token, 6,000 samples; the heads draft from 6

@@ -1,0 +1,89 @@
+"""How well a trained head predicts the target on prompts it was not trained on, in a minute.
+
+The target answers Spec-Bench questions (greedy, recorded the way training data is), then the head
+is scored teacher-forced on those answers, by task, with the objective it was trained with: top-1
+agreement with the target at each drafted depth, the accepted tokens a chain that deep would
+average, and how many answer tokens its draft vocabulary can name at all. Beside it, the same
+figures on the head's own held-out training answers when the training data is on this machine.
+The gap between the two is what a served head loses to prompts unlike its data; online, the
+planner's learned depth-1 acceptance follows the Spec-Bench figure, not the held-out one.
+
+    .venv/bin/python -m bench.head_transfer --kind eagle3 --limit 3
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from actors.model.heads import resolve_head
+from actors.model.loader import DEFAULT_MODEL, load_model, load_tensors, load_tokenizer
+from bench.specbench import DEFAULT_QUESTIONS, load_questions
+from cluster.engine.build import encode_prompt
+from speculators.heads.checkpoint import load_head
+from speculators.train.dataset import Example, FeatureStore
+from speculators.train.loop import TrainConfig, evaluate
+from specserve.train import AnswerRecorder, head_objective, recorded_layers, work_folder
+
+HELD_OUT_ANSWERS = 60
+
+
+def head_under_test(kind: str, draft: str, model: str, num_layers: int):
+    """(module, the target layers it reads, its draft vocabulary as a mask over the target's)."""
+    module = load_head(resolve_head(kind, draft, model), num_layers).module.float()
+    if kind == "eagle3":
+        if module.embed_tokens is None:
+            module.share_target(load_tensors(model, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
+        return module, module.aux_layers, module.t2d.bool()
+    named = torch.zeros(module.vocab_size, dtype=torch.bool)
+    named[module.token_map] = True
+    return module, (num_layers,), named
+
+
+def coverage(examples: list[Example], named: torch.Tensor) -> float:
+    answers = [e.tokens[e.prompt_length:] for e in examples]
+    return float(sum(named[a].sum() for a in answers) / max(sum(len(a) for a in answers), 1))
+
+
+def row(name: str, examples: list[Example], objective, named: torch.Tensor) -> str:
+    figures = objective.summary(evaluate(objective, examples, TrainConfig()))
+    depths = " | ".join(f"{figures[k]:.1%}" for k in figures if k.startswith("top1@"))
+    return f"| {name} | {len(examples)} | {depths} | {figures['accept']:.2f} | {coverage(examples, named):.1%} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=["eagle3", "medusa"], default="eagle3")
+    parser.add_argument("--draft", default=None, help="a head folder or trained head name (default: the committed one)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
+    parser.add_argument("--limit", type=int, default=3, help="questions per task")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    target = load_model(args.model)
+    num_layers = target.config.num_layers
+    module, layers, named = head_under_test(args.kind, args.draft or f"{args.kind}:{Path(args.model).name}",
+                                            args.model, num_layers)
+    objective = head_objective(args.kind, module)
+    tokenizer = load_tokenizer(args.model)
+    questions = load_questions(args.questions, None, args.limit)
+    prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions]
+    answers = AnswerRecorder(target, tokenizer, tuple(layers), 8, max(map(len, prompts)) + args.max_new_tokens + 1)
+    examples = answers.record([(i, ids, True) for i, ids in enumerate(prompts)], args.max_new_tokens)
+    steps = objective.steps
+    print(f"| answers | count | {' | '.join(f'top-1 depth {d + 1}' for d in range(steps))} "
+          f"| accepted, {steps}-deep chain | draft vocabulary covers |")
+    print("|---|---:|" + "---:|" * (steps + 2))
+    store = FeatureStore(work_folder(args.model) / "data", recorded_layers(num_layers))
+    if store.shards():
+        held = [e for e in store.read(layers) if e.held_out][:HELD_OUT_ANSWERS]
+        print(row("own held-out training answers", held, objective, named))
+    print(row("Spec-Bench, all tasks", examples, objective, named))
+    for task in dict.fromkeys(q["task"] for q in questions):
+        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, named))
+
+
+if __name__ == "__main__":
+    main()
