@@ -41,7 +41,7 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
     if config.method in HEAD_METHODS:
         source = resolve_head(config.method, config.draft, config.model)
         head = head_proposer(config.method, source, load_config(resolve_model(config.model)), config.model,
-                             config.draft_width, config.medusa_choices, target, dtype, config.device)
+                             config.drafting_width(), config.medusa_choices, target, dtype, config.device)
         return head if config.suffix_min_score is None else HybridProposer(suffix_proposer(config), head,
                                                                              config.suffix_min_score)
     layers = config.layer_skip_layers()
@@ -57,7 +57,7 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
             f"{target.config.vocab_size}: a draft model must share the target's tokenizer"
         )
     runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs)
-    return DraftModelProposer(runner, width=config.draft_width)
+    return DraftModelProposer(runner, width=config.drafting_width())
 
 
 def suffix_proposer(config: EngineConfig) -> SuffixProposer:
@@ -119,6 +119,7 @@ ENGINE_OPTIONS = {
     ("--model",): "model",
     ("--draft",): "draft",
     ("--draft-width",): "draft_width",
+    ("--suffix-min-score",): "suffix_min_score",
     ("--pld-tokens", "--prompt-lookup-num-tokens"): "prompt_lookup_num_tokens",
     ("--pld-ngram", "--prompt-lookup-max-ngram-size"): "prompt_lookup_max_ngram_size",
     ("--pld-branches", "--prompt-lookup-max-branches"): "prompt_lookup_max_branches",
@@ -143,8 +144,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default = field.get_default(call_default_factory=True)
         kind = field.annotation
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        parser.add_argument(*flags, dest=path, default=default, type=type(default), choices=choices,
+        parser.add_argument(*flags, dest=path, default=default, type=_value_type(kind), choices=choices,
                             help=field.description)
+
+
+def _value_type(annotation):
+    """The type an option's text converts to: the field's, or for `X | None` the X."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(typing.get_args(annotation)[0])
+    kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+    return kinds[0] if kinds else annotation
 
 
 def engine_config_from_args(args: argparse.Namespace, method: str | None = None, **overrides) -> EngineConfig:

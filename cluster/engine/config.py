@@ -18,6 +18,12 @@ Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
+DEFAULT_DRAFT_WIDTH = {"eagle3": 4}
+"""Widths measured best on Spec-Bench; a method not named drafts one branch. eagle3: EAGLE-2's tree of
+width 4 made 1.09x against the chain's 1.05x on the 240 questions (bench/results/specbench-heads-240.md),
+and under the planner, once it learned each depth's reach rather than counting siblings as failed
+tries, 1.08x against 0.98x on 18; behind suffix decoding it drafts 1.96 tokens a pass against the
+chain's 1.71 (1.42x against 1.36x on 18)."""
 
 
 class SchedulerConfig(BaseModel):
@@ -65,10 +71,10 @@ class EngineConfig(SchedulerConfig):
         "trained head's name such as 'eagle3:smollm2-135m' (the layer-skip default means the method's trained "
         "head for the target)",
     )
-    draft_width: int = Field(
-        1, ge=1, le=16, description="draft model and sampled requests: branches at the root of each tree; "
+    draft_width: int | None = Field(
+        None, ge=1, le=16, description="draft model and sampled requests: branches at the root of each tree; "
         "eagle3 greedy requests: 1 drafts a chain, k > 1 EAGLE-2's dynamic tree expanding the k best nodes "
-        "by k tokens at each depth")
+        "by k tokens at each depth; null: the method's best measured width (eagle3 4, else 1)")
     medusa_choices: list[list[int]] | None = Field(
         None, description="medusa: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); null "
         "takes the head checkpoint's own")
@@ -102,6 +108,10 @@ class EngineConfig(SchedulerConfig):
         "sdpa", description="attention kernel: sdpa (one masked attention over each sequence's cache) or split "
         "(the committed prefix without a mask, through vllm_flash_attn when it imports on CUDA, merged with the "
         "tree block's masked attention by log-sum-exp)")
+
+    def drafting_width(self) -> int:
+        """`draft_width`, or the method's default when it is not set."""
+        return self.draft_width or DEFAULT_DRAFT_WIDTH.get(self.method, 1)
 
     def layer_skip_layers(self) -> int | None:
         """N of a 'layer-skip:N' draft, else None."""

@@ -42,6 +42,28 @@ def test_engine_options_take_their_defaults_from_the_engine_config_and_accept_vl
         == (6, 4, 0.1)
 
 
+def test_draft_width_defaults_to_the_methods_best_and_an_option_overrides_it():
+    from cluster.engine.build import engine_config_from_args
+    from specserve.cli import build_parser
+
+    parser = build_parser()
+    widths = {method: engine_config_from_args(parser.parse_args(["generate", "x"]), method).drafting_width()
+              for method in ("eagle3", "draft", "medusa")}
+    assert widths == {"eagle3": 4, "draft": 1, "medusa": 1}
+    chain = engine_config_from_args(parser.parse_args(["generate", "x", "--draft-width", "1"]), "eagle3")
+    assert (chain.draft_width, chain.drafting_width()) == (1, 1)
+
+
+def test_suffix_decoding_goes_in_front_of_a_head_from_the_command_line():
+    from cluster.engine.build import engine_config_from_args
+    from specserve.cli import build_parser
+
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["generate", "x"]), "eagle3").suffix_min_score is None
+    hybrid = engine_config_from_args(parser.parse_args(["generate", "x", "--suffix-min-score", "1.5"]), "eagle3")
+    assert hybrid.suffix_min_score == 1.5
+
+
 def test_engine_config_keeps_the_old_field_names_as_aliases():
     from cluster.engine.config import EngineConfig
 
