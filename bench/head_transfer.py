@@ -24,32 +24,27 @@ from cluster.engine.build import encode_prompt
 from speculators.heads.checkpoint import load_head
 from speculators.train.dataset import Example, FeatureStore
 from speculators.train.loop import TrainConfig, evaluate
+from speculators.train.vocab import coverage
 from specserve.train import AnswerRecorder, head_objective, recorded_layers, work_folder
 
 HELD_OUT_ANSWERS = 60
 
 
 def head_under_test(kind: str, draft: str, model: str, num_layers: int):
-    """(module, the target layers it reads, its draft vocabulary as a mask over the target's)."""
+    """(module, the target layers it reads, its draft vocabulary as target ids)."""
     module = load_head(resolve_head(kind, draft, model), num_layers).module.float()
     if kind == "eagle3":
         if module.embed_tokens is None:
             module.share_target(load_tensors(model, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
-        return module, module.aux_layers, module.t2d.bool()
-    named = torch.zeros(module.vocab_size, dtype=torch.bool)
-    named[module.token_map] = True
-    return module, (num_layers,), named
+        return module, module.aux_layers, module.draft_to_target
+    return module, (num_layers,), module.token_map
 
 
-def coverage(examples: list[Example], named: torch.Tensor) -> float:
-    answers = [e.tokens[e.prompt_length:] for e in examples]
-    return float(sum(named[a].sum() for a in answers) / max(sum(len(a) for a in answers), 1))
-
-
-def row(name: str, examples: list[Example], objective, named: torch.Tensor) -> str:
+def row(name: str, examples: list[Example], objective, vocabulary: torch.Tensor, vocab_size: int) -> str:
     figures = objective.summary(evaluate(objective, examples, TrainConfig()))
     depths = " | ".join(f"{figures[k]:.1%}" for k in figures if k.startswith("top1@"))
-    return f"| {name} | {len(examples)} | {depths} | {figures['accept']:.2f} | {coverage(examples, named):.1%} |"
+    covered = coverage([e.tokens[e.prompt_length:] for e in examples], vocabulary, vocab_size)
+    return f"| {name} | {len(examples)} | {depths} | {figures['accept']:.2f} | {covered:.1%} |"
 
 
 def main() -> None:
@@ -64,7 +59,7 @@ def main() -> None:
     torch.manual_seed(0)
     target = load_model(args.model)
     num_layers = target.config.num_layers
-    module, layers, named = head_under_test(args.kind, args.draft or f"{args.kind}:{Path(args.model).name}",
+    module, layers, vocabulary = head_under_test(args.kind, args.draft or f"{args.kind}:{Path(args.model).name}",
                                             args.model, num_layers)
     objective = head_objective(args.kind, module)
     tokenizer = load_tokenizer(args.model)
@@ -79,10 +74,10 @@ def main() -> None:
     store = FeatureStore(work_folder(args.model) / "data", recorded_layers(num_layers))
     if store.shards():
         held = [e for e in store.read(layers) if e.held_out][:HELD_OUT_ANSWERS]
-        print(row("own held-out training answers", held, objective, named))
-    print(row("Spec-Bench, all tasks", examples, objective, named))
+        print(row("own held-out training answers", held, objective, vocabulary, target.config.vocab_size))
+    print(row("Spec-Bench, all tasks", examples, objective, vocabulary, target.config.vocab_size))
     for task in dict.fromkeys(q["task"] for q in questions):
-        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, named))
+        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, vocabulary, target.config.vocab_size))
 
 
 if __name__ == "__main__":
