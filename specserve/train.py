@@ -63,7 +63,7 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     written once, so a resumed run answers the same prompts."""
     prompts = [json.loads(line)["text"] for line in path.read_text().splitlines()] if path.exists() else []
     if len(prompts) >= count:
-        return [Prompt("self", text) for text in prompts]
+        return [Prompt("self", text) for text in prompts[:count]]
     template = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                              add_generation_prompt=True)
     opening = tokenizer.encode(template[: template.index("\x00")], add_special_tokens=False)
@@ -128,8 +128,8 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     if self_prompts:
         written = self_written_prompts(target, tokenizer, self_prompts, folder.parent / "self-prompts.jsonl", log)
         numbered += [(SELF_PROMPT_INDEX + i, prompt) for i, prompt in enumerate(written)]
-    todo = [(i, p, encode_prompt(tokenizer, p.text, chat=True)) for i, p in numbered if i not in done]
-    todo = [item for item in todo if len(item[2]) <= max_prompt_tokens]
+    todo = [(i, p, encode_prompt(tokenizer, p.text, chat=True)) for i, p in numbered]
+    todo = [item for item in todo if len(item[2]) <= max_prompt_tokens and tuple(item[2]) not in done]
     log(f"data: {len(done)} answers recorded, {len(todo)} to go ({folder})")
     for start in range(0, len(todo), GENERATION_BATCH):
         batch = todo[start:start + GENERATION_BATCH]

@@ -7,7 +7,8 @@ safetensors shards in one folder, each holding whole sequences laid end to end (
 `hidden` [rows, layers x H], `lengths` and `prompt_lengths` int32 [S], `held_out` uint8 [S],
 `index` int64 [S] = the prompt's index in the prompt set), plus `layers.json` naming the captured
 layers in column order. A shard is written whole and then renamed, so a stopped run resumes
-after the last complete shard.
+after the last complete shard. What is recorded is known by the prompts' token ids, not by index, so a
+prompt set that changes keeps every answer to a prompt it still holds and adds only the new ones.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
@@ -41,11 +43,16 @@ class FeatureStore:
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.safetensors"))
 
-    def recorded(self) -> set[int]:
-        """Prompt-set indices already stored."""
-        done: set[int] = set()
+    def recorded(self) -> set[tuple[int, ...]]:
+        """The token ids of every prompt already answered (read without the hidden states)."""
+        done: set[tuple[int, ...]] = set()
         for shard in self.shards():
-            done.update(load_file(shard)["index"].tolist())
+            with safe_open(str(shard), "pt") as data:
+                tokens = data.get_tensor("tokens").tolist()
+                offset = 0
+                for length, prompt in zip(data.get_tensor("lengths").tolist(), data.get_tensor("prompt_lengths").tolist()):
+                    done.add(tuple(tokens[offset:offset + prompt]))
+                    offset += length
         return done
 
     def write(self, examples: Sequence[Example]) -> Path:

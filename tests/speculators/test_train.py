@@ -43,10 +43,10 @@ def test_recorded_rows_are_the_target_hidden_states_of_each_token(tiny_model):
 
 def test_the_feature_store_round_trips_and_resumes(tmp_path):
     store = FeatureStore(tmp_path, (1, 2, 4))
-    examples = [Example(i, torch.arange(5 + i), torch.randn(4 + i, 3 * 8), 2, i == 1) for i in range(3)]
+    examples = [Example(i, torch.arange(5 + i) + 10 * i, torch.randn(4 + i, 3 * 8), 2, i == 1) for i in range(3)]
     store.write(examples[:2])
     store.write(examples[2:])
-    assert store.recorded() == {0, 1, 2}
+    assert store.recorded() == {(0, 1), (10, 11), (20, 21)}  # each answer's prompt: its first 2 tokens
     read = FeatureStore(tmp_path, (1, 2, 4)).read((4, 1))
     for original, again in zip(examples, read):
         assert torch.equal(again.tokens, original.tokens) and again.held_out == original.held_out
