@@ -3,10 +3,11 @@ draft to depth d (0, 1, 2, 4), as a chain and as the width-4 tree; median of 15 
 300-token context. The planner fits the same cost from the engine's own calls; this is the figure
 to hold that fit against.
 
-    .venv/bin/python -m bench.head_cost
+    .venv/bin/python -m bench.head_cost [--draft FOLDER]   (a candidate head instead of the committed one)
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -20,10 +21,13 @@ CONTEXT, CALLS = 300, 15
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="eagle3:" + DEFAULT_MODEL, help="a head folder or trained head name")
+    args = parser.parse_args()
     torch.manual_seed(0)
     target = load_model(DEFAULT_MODEL)
     config = load_config(resolve_model(DEFAULT_MODEL))
-    source = resolve_head("eagle3", "eagle3:" + DEFAULT_MODEL, DEFAULT_MODEL)
+    source = resolve_head("eagle3", args.draft, DEFAULT_MODEL)
     for width in (1, 4):
         proposer = head_proposer("eagle3", source, config, DEFAULT_MODEL, width, None, target, torch.float32, "cpu")
         columns = config.hidden_size * len(proposer.hidden_layers)  # the three target layers side by side
