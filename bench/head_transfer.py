@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     target = load_model(args.model)
-    num_layers = target.config.num_layers
+    num_layers, vocab_size = target.config.num_layers, target.config.vocab_size
     module, layers, vocabulary = head_under_test(args.kind, args.draft or f"{args.kind}:{Path(args.model).name}",
                                             args.model, num_layers)
     objective = head_objective(args.kind, module)
@@ -74,10 +74,10 @@ def main() -> None:
     store = FeatureStore(work_folder(args.model) / "data", recorded_layers(num_layers))
     if store.shards():
         held = [e for e in store.read(layers) if e.held_out][:HELD_OUT_ANSWERS]
-        print(row("own held-out training answers", held, objective, vocabulary, target.config.vocab_size))
-    print(row("Spec-Bench, all tasks", examples, objective, vocabulary, target.config.vocab_size))
+        print(row("own held-out training answers", held, objective, vocabulary, vocab_size))
+    print(row("Spec-Bench, all tasks", examples, objective, vocabulary, vocab_size))
     for task in dict.fromkeys(q["task"] for q in questions):
-        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, vocabulary, target.config.vocab_size))
+        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, vocabulary, vocab_size))
 
 
 if __name__ == "__main__":
