@@ -20,6 +20,7 @@ from actors.draft_worker import DraftWorker
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
+from actors.model.threads import MODEL_PROCESS_ENV, available_cores, use_cores
 from actors.model.sharding import Communicator, ShardPlan
 from actors.target_worker import RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
@@ -53,8 +54,10 @@ class TargetShard:
         hidden_layers: Sequence[int] = (),
         hidden_dtype: str = "float32",
         build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
+        cpu_threads: int | None = None,
     ):
         self.rank, self.world_size = rank, world_size
+        use_cores(cpu_threads or max(1, available_cores() // world_size))  # the group's ranks share a node
         if build_drafter is not None and world_size > 1:
             raise ValueError("a co-located drafter needs a target of one rank (tensor parallel size 1)")
         self.device = bind_device(device)
@@ -94,7 +97,7 @@ class TargetShard:
         hidden = self.worker.start(requests)
         return hidden if self.drafter is None else self.drafter.keep_prefill(hidden)
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | RequestFailed]:
+    def verify(self, batch: Sequence[tuple]) -> list[VerifyResult | RequestFailed]:
         results = self.worker.verify(batch)
         if self.drafter is not None:
             self.drafter.keep_verified(batch, results, self.worker.runner)
@@ -138,9 +141,9 @@ class ColocatedDrafter:
         for seq_id, rows in (hidden or {}).items():
             self.pending.add(seq_id, 0, rows)
 
-    def keep_verified(self, batch: Sequence[tuple[str, DraftTree]], results: list[VerifyResult | RequestFailed],
-                      runner) -> None:
-        for (seq_id, _), result in zip(batch, results):
+    def keep_verified(self, batch: Sequence[tuple], results: list[VerifyResult | RequestFailed], runner) -> None:
+        """`batch` as verified: (id, tree) or (id, tree, shaping) for a request with rules."""
+        for (seq_id, *_), result in zip(batch, results):
             if isinstance(result, VerifyResult) and result.hidden is not None:
                 root = runner.committed_length(seq_id) - len(result.accepted_nodes)
                 self.pending.add(seq_id, root, result.hidden)
@@ -165,7 +168,7 @@ class TargetGroup:
     that node (placement packs a group on one node) and at rank 0's node address otherwise.
     `hidden_layers` and `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads
     them (TargetWorker). `build_drafter` (TP 1 only) puts the drafter in the shard's process, built
-    over its decoder.
+    over its decoder. `cpu_threads`: torch threads of each shard (None: the cores it may use).
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class TargetGroup:
         hidden_layers: Sequence[int] = (),
         hidden_dtype: str = "float32",
         build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
+        cpu_threads: int | None = None,
     ):
         import ray
 
@@ -201,7 +205,7 @@ class TargetGroup:
         self._shards = [
             shard_class.options(**options[rank]).remote(
                 model, rank, world_size, max_sequences, max_len, dtype, device, attention_backend, cuda_graphs,
-                hidden_layers, hidden_dtype, build_drafter,
+                hidden_layers, hidden_dtype, build_drafter, cpu_threads,
             )
             for rank in range(world_size)
         ]
@@ -265,7 +269,8 @@ def _default_options() -> dict[str, Any]:
     asks for a CPU competes with everything else for the node's few CPU slots)."""
     import ray
 
-    return {"num_cpus": 0, "num_gpus": 1} if ray.cluster_resources().get("GPU", 0) > 0 else {"num_cpus": 0}
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    return {"num_cpus": 0, "num_gpus": gpus, "runtime_env": {"env_vars": dict(MODEL_PROCESS_ENV)}}
 
 
 def _free_port() -> int:

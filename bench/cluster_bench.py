@@ -6,8 +6,9 @@ them), greedy, with speculation on (the engine's defaults: the planner sizes eve
 (plain decoding on the same actors). A run decodes `max(REQUESTS_PER_SLOT * N, MIN_REQUESTS)`
 prompts. Each round takes questions never run before (tasks in turn) and decodes them
 speculatively, then plainly: the same prompts give both settings the same work (the same outputs,
-so the same lengths), and the round's speedup is the ratio of the two times. The report keeps the
-median over rounds of that ratio and of each setting's tokens/s (prefill included).
+so the same lengths). A level's speedup is the ratio of the two settings' median tokens/s over its
+rounds (prefill included); every round's own ratio is reported beside it. Requests are built by
+the service's own RequestBuilder, so they take the planner exactly as a served request does.
 
 Why requests keep arriving rather than N starting and ending together: in such a closed batch the
 run lasts as long as its slowest request, and the others' steps saved by speculation end in a
@@ -25,7 +26,6 @@ import argparse
 import json
 import statistics
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,8 +34,8 @@ from typing import get_args
 from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, comma_list, command_line, load_questions, machine
 from cluster.engine.build import encode_prompt, engine_config_from_args
 from cluster.engine.config import EngineConfig, Method
-from cluster.engine.request import GenerationRequest
 from cluster.engine.stats import mean_accepted_tokens
+from cluster.serve.requests import RequestBuilder, RequestOptions, SpeculationOptions
 
 REQUESTS_PER_SLOT, MIN_REQUESTS = 2, 4
 SETTINGS = ("speculative", "plain")
@@ -58,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/cluster-bench-<time>.json)")
 
 
-def run_setting(cluster, prompts: list[list[int]], speculate: bool, max_new_tokens: int, concurrency: int) -> dict:
-    """Decode `prompts` with `concurrency` requests in flight; outputs in the prompts' order."""
+def run_setting(cluster, requests: RequestBuilder, prompts: list[list[int]], speculate: bool, max_new_tokens: int,
+                concurrency: int) -> dict:
+    """Decode `prompts` with `concurrency` requests in flight, built as the service builds them (plain
+    decoding: `speculation.method: off`, as a client asks); outputs in the prompts' order."""
+    speculation = SpeculationOptions(method="default" if speculate else "off")
+
     def one(prompt: list[int]):
-        request = GenerationRequest(uuid.uuid4().hex, prompt, max_new_tokens=max_new_tokens, speculate=speculate)
+        request = requests.build_request(RequestOptions(prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
+                                                        speculation=speculation))
         return cluster.generate([request], timeout_s=3600)[0]
 
     began = time.perf_counter()
@@ -92,18 +97,21 @@ class PromptPool:
         return self.prompts[self.used - count:self.used]
 
 
-def measure_level(cluster, pool: PromptPool, level: int, rounds: int, max_new_tokens: int) -> dict:
+def measure_level(cluster, requests: RequestBuilder, pool: PromptPool, level: int, rounds: int,
+                  max_new_tokens: int) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for round_index in range(rounds):
         prompts = pool.take(requests_per_run(level))
         for name in SETTINGS:
-            runs[name].append(run_setting(cluster, prompts, name == "speculative", max_new_tokens, level))
+            runs[name].append(run_setting(cluster, requests, prompts, name == "speculative", max_new_tokens, level))
             print(f"  round {round_index + 1}/{rounds} {name}: {runs[name][-1]['tokens_per_s']:.2f} tokens/s", flush=True)
     paired = list(zip(runs["speculative"], runs["plain"]))
+    plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
+    speculative = statistics.median(r["tokens_per_s"] for r in runs["speculative"])
     return {
-        "speedup": round(statistics.median(s["tokens_per_s"] / p["tokens_per_s"] for s, p in paired), 3),
-        "plain_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs["plain"]), 2),
-        "speculative_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs["speculative"]), 2),
+        "speedup": round(speculative / plain, 3),
+        "plain_tokens_per_s": round(plain, 2),
+        "speculative_tokens_per_s": round(speculative, 2),
         "mean_accepted_tokens": round(statistics.median(r["mean_accepted_tokens"] for r in runs["speculative"]), 3),
         "rounds": {name: [round(r["tokens_per_s"], 2) for r in results] for name, results in runs.items()},
         "round_speedups": [round(s["tokens_per_s"] / p["tokens_per_s"], 3) for s, p in paired],
@@ -146,12 +154,13 @@ def run(args: argparse.Namespace) -> int:
     spec = ClusterSpec(engine=engine, tensor_parallel_size=args.tensor_parallel, num_draft_actors=args.draft_actors,
                        colocate_drafter=args.colocate)
     cluster = SpecCluster(spec).start()
+    requests = RequestBuilder.in_process(cluster.loops[0].engine, cluster.tokenizer, engine)
     by_level = {}
     try:
-        run_setting(cluster, pool.take(2), True, 8, 2)  # warm-up
+        run_setting(cluster, requests, pool.take(2), True, 8, 2)  # warm-up
         for level in levels:
             print(f"concurrency {level}", flush=True)
-            by_level[str(level)] = measure_level(cluster, pool, level, args.rounds, args.max_new_tokens)
+            by_level[str(level)] = measure_level(cluster, requests, pool, level, args.rounds, args.max_new_tokens)
     finally:
         cluster.shutdown()
     report = {

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.openai_stream import StreamFailed, stream_chat
 from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, command_line, load_questions, machine
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
@@ -114,35 +115,21 @@ def http_request(port: int, prompt: Prompt, outcome: Outcome, max_new_tokens: in
                  api_key: str | None) -> None:
     body = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_new_tokens,
             "temperature": 0, "seed": outcome.client, "stream": True}
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    last = outcome.started
     try:
-        connection.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-        response = connection.getresponse()
-        if response.status != 200:
-            outcome.error = f"http:{response.status}"
-            return
-        last = outcome.started
-        for line in response:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[len(b"data: "):])
-            if "error" in event:
-                outcome.error = "http:stream-error"
-                return
-            now = time.perf_counter()
+        for now, event in stream_chat(f"http://127.0.0.1:{port}", body, api_key, timeout_s):
             choices = event.get("choices") or [{}]
             text = choices[0].get("delta", {}).get("content") or ""
             outcome.chunk(now, last, 1 if text else 0)
             last = now if text else last
             outcome.text += text
             outcome.finish_reason = choices[0].get("finish_reason") or outcome.finish_reason
+    except StreamFailed as error:
+        outcome.error = error.kind
     except TimeoutError:
         outcome.error = "lost"
     except (OSError, http.client.HTTPException) as error:
         outcome.error = f"http:{type(error).__name__}"
-    finally:
-        connection.close()
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -152,16 +139,19 @@ def reference_prompts(args: argparse.Namespace, model: str) -> list[Prompt]:
     """The prompt pool and each prompt's plain greedy output (batch of one, as plain decoding is)."""
     from cluster.engine.build import build_engine, encode_prompt
     from cluster.engine.config import EngineConfig
-    from cluster.engine.request import GenerationRequest
+    from cluster.serve.requests import RequestBuilder, RequestOptions
 
     questions = load_questions(args.questions)
     chosen = random.Random(args.seed).sample(questions, min(args.prompts, len(questions)))
-    engine, tokenizer = build_engine(EngineConfig(model=model, method="none", max_sequences=1))
+    config = EngineConfig(model=model, method="none", max_sequences=1)
+    engine, tokenizer = build_engine(config)
+    requests = RequestBuilder.in_process(engine, tokenizer, config)
     prompts = []
     for question in chosen:
         ids = encode_prompt(tokenizer, question["turns"][0], chat=True)
-        output = engine.generate([GenerationRequest(f"ref{question['question_id']}", ids,
-                                                    max_new_tokens=args.max_new_tokens, speculate=False)])[0]
+        request = requests.build_request(RequestOptions(prompt_token_ids=ids, max_new_tokens=args.max_new_tokens),
+                                         f"ref{question['question_id']}")
+        output = engine.generate([request])[0]
         prompts.append(Prompt(question["question_id"], question["turns"][0], ids, output.token_ids, output.text))
     return prompts
 

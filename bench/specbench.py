@@ -16,7 +16,6 @@ import os
 import platform
 import shlex
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
@@ -29,8 +28,8 @@ import torch
 from bench.peers import PEERS, Generation, Runner, build_peers, with_baselines
 from cluster.engine.build import ENGINE_OPTIONS, build_engine, encode_prompt, engine_config_from_args
 from cluster.engine.config import Method
-from cluster.engine.request import GenerationRequest
 from cluster.engine.stats import mean_accepted_tokens
+from cluster.serve.requests import RequestBuilder, RequestOptions
 
 PLAIN = "none"
 METHODS = get_args(Method)
@@ -137,9 +136,10 @@ def engine_runner(args: argparse.Namespace, name: str):
     config = variant_config(args, name)
     engine, tokenizer = build_engine(config)
 
+    requests = RequestBuilder.in_process(engine, tokenizer, config)
+
     def generate(prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        request = GenerationRequest(uuid.uuid4().hex, prompt_ids, max_new_tokens=max_new_tokens,
-                                    speculate=config.method != PLAIN)
+        request = requests.build_request(RequestOptions(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens))
         output = engine.generate([request])[0]
         return Generation(output.token_ids, output.finish_reason, output.stats.target_forwards)
 

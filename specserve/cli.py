@@ -6,6 +6,7 @@ imports the other's command code.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import uuid
@@ -61,10 +62,50 @@ def cmd_convert_head(args: argparse.Namespace) -> int:
 
     from speculators.heads.checkpoint import load_head, save_head
 
-    checkpoint = load_head(args.source, args.target_layers)
+    checkpoint = load_head(args.source, args.target_layers, allow_pickle=True)  # tensors only, weights_only=True
     save_head(checkpoint, args.dest, dtype=getattr(torch, args.dtype))
     print(f"{args.source}: {checkpoint.kind} head -> {args.dest}")
     return 0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default, shown once. argparse prints no help line for an option without help,
+    so its default went unshown; and ArgumentDefaultsHelpFormatter appends "(default: X)" to any help
+    without %(default)s, so help that states its default in words ("(default: all)") got a second one."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of `specserve` and of each of its commands (subparsers are made of the parent's
+    class): a bad option is one line naming it, with a pointer to the command's --help, instead of
+    the whole usage; defaults show in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        command = self.prog.split()[0]
+        self.exit(2, f"{command}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self._is_command():  # reported here, by the command that got them, not by `specserve`
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def _is_command(self) -> bool:
+        return " " in self.prog
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,18 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.serve import grpc_tls
     from specserve import train
 
-    parser = argparse.ArgumentParser(prog="specserve", description="Lossless tree speculative decoding")
+    parser = Parser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = HelpFormatter
 
     gen = sub.add_parser("generate", help="generate text for one prompt and print stats", formatter_class=defaults)
     gen.add_argument("prompt")
     gen.add_argument("--method", default=EngineConfig().method, choices=get_args(Method), help="drafter")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="longest answer")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1.0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed; None: a random one")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")

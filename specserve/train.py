@@ -28,14 +28,15 @@ from cluster.engine.build import encode_prompt, local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
 from speculators.heads.checkpoint import default_aux_layers, save_eagle3, save_medusa
-from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.sampling import SamplingParams
-from speculators.train.dataset import Example, FeatureStore
-from speculators.train.eagle3 import Eagle3Objective, new_head
+from speculators.train.dataset import FeatureStore
+from speculators.train.dataset import work_folder as train_folder
+from speculators.train.eagle3 import new_head
 from speculators.train.loop import TrainConfig, train
-from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
+from speculators.train.medusa import choose_tree, new_heads
+from speculators.train.objective import head_objective
 from speculators.train.prompts import Prompt, build_prompts
-from speculators.train.recorder import HiddenRecorder
+from speculators.train.recorder import AnswerRecorder, Decode, Decoder, recorded_layers
 from speculators.train.vocab import coverage, frequent_tokens
 
 GENERATION_BATCH = 32
@@ -47,12 +48,7 @@ SELF_PROMPT_TOKENS = 96
 
 
 def work_folder(model: str) -> Path:
-    return cache_root() / "train" / Path(model).name
-
-
-def recorded_layers(num_layers: int) -> tuple[int, ...]:
-    """What the data keeps: EAGLE-3's three default layers and the final output (EAGLE-1/2, Medusa)."""
-    return (*default_aux_layers(num_layers), num_layers)
+    return train_folder(cache_root(), model)
 
 
 def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -> list[Prompt]:
@@ -85,34 +81,18 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     return [Prompt("self", text) for text in prompts]
 
 
-class AnswerRecorder:
-    """The target's greedy answers with the hidden states of prompt and answer, as training examples.
+def engine_decoder(target, tokenizer, max_sequences: int, max_len: int) -> Decoder:
+    """The project's engine, in this process, as an `AnswerRecorder` decodes: greedy, with the
+    recorder as drafter, drafting at every step so every pass's rows reach it."""
+    def decoder(drafter) -> Decode:
+        config = SchedulerConfig(max_sequences=max_sequences, max_len=max_len, min_acceptance=0.0)
+        engine = local_engine(target, tokenizer, drafter, config)
 
-    The engine decodes with prompt lookup drafts (lossless, and faster) through a `HiddenRecorder`
-    that keeps the rows every pass hands the drafter, so no second pass over the text is needed."""
-
-    def __init__(self, target, tokenizer, layers: tuple[int, ...], max_sequences: int, max_len: int):
-        self.recorder = HiddenRecorder(PromptLookupProposer(), layers)
-        config = SchedulerConfig(max_sequences=max_sequences, max_len=max_len,
-                                 min_acceptance=0.0)  # keep drafting, so every step's rows reach the recorder
-        self.engine = local_engine(target, tokenizer, self.recorder, config)
-
-    def record(self, prompts: list[tuple[int, list[int], bool]], max_new_tokens: int) -> list[Example]:
-        """(index, prompt ids, held out) -> one example per answered prompt."""
-        requests = [GenerationRequest(uuid.uuid4().hex, ids, max_new_tokens=max_new_tokens) for _, ids, _ in prompts]
-        examples = []
-        for (index, ids, held_out), request, output in zip(prompts, requests, self.engine.generate(requests)):
-            rows = self.recorder.collect(request.request_id)
-            if rows is None:
-                continue
-            tokens = torch.tensor(ids + output.token_ids)[: rows.shape[0] + 1]
-            examples.append(Example(index, tokens, rows, len(ids), held_out))
-        return examples
-
-
-def head_objective(kind: str, module, ttt_steps: int = 3):
-    """What training minimises and evaluation reports for an `eagle3` or `medusa` head."""
-    return Eagle3Objective(module, ttt_steps) if kind == "eagle3" else MedusaObjective(module)
+        def decode(prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> list[list[int]]:
+            requests = [GenerationRequest(request_id, ids, max_new_tokens=max_new_tokens) for request_id, ids in prompts]
+            return [output.token_ids for output in engine.generate(requests)]
+        return decode
+    return decoder
 
 
 def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
@@ -123,7 +103,8 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     store = FeatureStore(folder, recorded_layers(target.config.num_layers))
     done = store.recorded()
     tokenizer = load_tokenizer(model)
-    answers = AnswerRecorder(target, tokenizer, store.layers, max_sequences, max_prompt_tokens + max_new_tokens + 1)
+    answers = AnswerRecorder(store.layers, engine_decoder(target, tokenizer, max_sequences,
+                                                          max_prompt_tokens + max_new_tokens + 1))
     numbered = list(enumerate(build_prompts(count)))
     if self_prompts:
         written = self_written_prompts(target, tokenizer, self_prompts, folder.parent / "self-prompts.jsonl", log)

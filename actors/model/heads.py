@@ -2,10 +2,11 @@
 
 `--draft eagle3:smollm2-135m` names a head trained by this project and committed under
 speculators/heads/trained/<method>-<model>/; any other value is a checkpoint folder in a layout
-speculators/heads/checkpoint.py reads. A head that lacks its own embedding (and an EAGLE-1/2
-head, which scores with the target's LM head) uses the target's tensors: shared, not copied, when
-the head lives in the target's process (co-located), and read from the target's checkpoint (those
-tensors only) when it lives in a draft actor on its own devices.
+speculators/heads/checkpoint.py reads, with safetensors weights (a head published as PyTorch
+pickles is refused, naming `specserve convert-head`, which rewrites it once). A head that lacks its
+own embedding (and an EAGLE-1/2 head, which scores with the target's LM head) uses the target's
+tensors: shared, not copied, when the head lives in the target's process (co-located), and read
+from the target's checkpoint (those tensors only) when it lives in a draft actor on its own devices.
 """
 from __future__ import annotations
 

@@ -101,6 +101,10 @@ class EngineConfig(SchedulerConfig):
         suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads in each target shard and draft actor; null: the cores the process "
+        "may use, shared among a target group's ranks (Ray would otherwise run an actor that reserves no CPU on "
+        "one thread)")
     cuda_graphs: bool = Field(
         False, description="on a GPU, replay captured CUDA graphs for one-sequence passes of up to 64 new tokens "
         "(decode, small verification and draft steps); ignored on a CPU")

@@ -14,8 +14,8 @@ def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig,
                    depth_cap: int | None = None) -> list[DraftRequest]:
     """The DraftRequests of one micro-batch; requests that do not speculate this step are left out.
 
-    `depth_cap` (the planner's depth for a costly drafter) bounds requests that left their
-    lookahead to the engine; a request that chose its own lookahead drafts what it asked for.
+    `depth_cap` (the planner's depth for a costly drafter) bounds every request; a request's own
+    lookahead (policy, `num_speculative_tokens`) bounds it further, never lifts the planner's cap.
     """
     speculating = [s for s in states if s.request.speculate and s.gate.is_open]
     if not speculating:
@@ -28,7 +28,7 @@ def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig,
         remaining = request.max_new_tokens - len(state.output)
         room = config.max_len - len(state.tokens) - 1  # cache positions left after the root
         depth = min(state.policy.depth(), remaining - 1, room)
-        if depth_cap is not None and request.lookahead is None:
+        if depth_cap is not None:
             depth = min(depth, depth_cap)
         nodes = min(config.max_tree_nodes, share, room)
         if depth > 0 and nodes > 0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -19,7 +21,9 @@ import xgrammar
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "grammar"]
 CACHE_LIMIT_BYTES = 256 * 2**20
-"""Compiled grammars kept per compiler (xgrammar evicts the least recently used past this)."""
+"""Bytes of compiled grammars xgrammar keeps per compiler (it evicts the least recently used past this)."""
+CACHE_SIZE = 64
+"""Distinct specs whose outcome (compiled grammar or refusal) a GrammarCompiler keeps, least recently used first out."""
 ANY_OBJECT = '{"type": "object"}'
 """What json_object asks for. JSON is generated compact (no optional whitespace, xgrammar's
 `any_whitespace=False`): a model free to add whitespace may add it without end, as small ones do."""
@@ -67,11 +71,24 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer; thread-safe, and each distinct spec is compiled once."""
+    """Compiles specs for one tokenizer. Thread-safe: front ends compile off the event loop, several
+    at once (xgrammar's compiler is thread-safe and releases the GIL while it compiles).
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    The outcome of the last `cache_size` distinct specs is kept (LRU), refusals included, so a spec
+    sent again, even one that does not compile, costs nothing; requests with a spec being compiled
+    wait for that compilation rather than start their own.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = CACHE_SIZE):
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, not {cache_size}")
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
-        self._lock = threading.Lock()
+        self.cache_size = cache_size
+        self._lock = threading.Lock()  # builds the xgrammar compiler once
+        self._cache_lock = threading.Lock()
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        """Each spec's outcome: a CompiledGrammar or the refusal's message (a Future while compiling)."""
+        self.hits = self.misses = 0
 
     @cached_property
     def _compiler(self) -> xgrammar.GrammarCompiler:
@@ -81,7 +98,43 @@ class GrammarCompiler:
         return xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar, or ValueError saying what is wrong with the spec."""
+        """The compiled grammar, or ValueError saying what is wrong with the spec (each compiled once
+        while it stays among the last `cache_size` distinct specs)."""
+        with self._cache_lock:
+            outcome = self._cache.get(spec)
+            compiles_here = outcome is None
+            if compiles_here:
+                self.misses += 1
+                outcome = Future()
+                if self.cache_size:
+                    self._cache[spec] = outcome
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+        result = self._settle(spec, outcome) if compiles_here else outcome.result()
+        if isinstance(result, str):
+            raise ValueError(result)
+        return result
+
+    def _settle(self, spec: GrammarSpec, outcome: Future) -> CompiledGrammar | str:
+        """Compile `spec` into `outcome`, for whoever waits on it; an unexpected failure is not kept."""
+        try:
+            result: CompiledGrammar | str = self._compile(spec)
+        except ValueError as error:
+            result = str(error)
+        except BaseException as error:
+            with self._cache_lock:
+                if self._cache.get(spec) is outcome:
+                    del self._cache[spec]
+            outcome.set_exception(error)
+            raise
+        outcome.set_result(result)
+        return result
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compiles `spec` (no cache); ValueError saying what is wrong with it."""
         with self._lock:
             compiler = self._compiler
         try:
@@ -96,6 +149,11 @@ class GrammarCompiler:
         except Exception as error:  # xgrammar raises RuntimeError or its own errors with the parser's message
             raise ValueError(f"cannot compile the {spec.kind.replace('_', ' ')}: {_first_line(error)}") from None
         return CompiledGrammar(compiled, xgrammar.get_bitmask_shape(1, self.vocab_size)[1])
+
+    def cache_info(self) -> dict[str, int]:
+        """Hits, misses, specs kept and the limit (operators, tests)."""
+        with self._cache_lock:
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._cache), "limit": self.cache_size}
 
 
 def _first_line(error: Exception) -> str:

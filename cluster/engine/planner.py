@@ -149,8 +149,8 @@ class Planned:
 
     tree: DraftTree
     trimmable: bool
-    """False for a tree that must be verified as drafted (sampled draft probabilities, or a
-    request that chose its own lookahead)."""
+    """False for a tree that must be verified as drafted (sampled draft probabilities: keeping a
+    sampled node by its own value would change the distribution it was drawn from)."""
     factor: float = 1.0
     probs: list[float] = field(default_factory=list)
 

@@ -258,12 +258,12 @@ class SpecEngine:
         return tree
 
     def _plan(self, states: list[ActiveRequest], trees: list[DraftTree]) -> list[DraftTree]:
-        """Trees cut to what pays this step (all of them verified as drafted without a planner)."""
+        """Trees cut to what pays this step (all of them verified as drafted without a planner). A
+        request's own lookahead only bounded what was drafted; the planner still keeps what pays."""
         if self.planner is None:
             return trees
         return self.planner.trim([
-            Planned(tree, trimmable=state.request.lookahead is None and tree.draft_probs is None,
-                    factor=state.acceptance.factor)
+            Planned(tree, trimmable=tree.draft_probs is None, factor=state.acceptance.factor)
             for state, tree in zip(states, trees)
         ])
 

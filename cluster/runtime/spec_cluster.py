@@ -18,6 +18,7 @@ import ray
 
 from actors.draft_worker import DraftWorker
 from actors.model.loader import load_config, load_tokenizer, resolve_model
+from actors.model.threads import use_cores
 from actors.target_group import TargetGroup
 from actors.worker import RayActorWorker
 from cluster.engine.build import build_proposer, cost_key_of
@@ -33,6 +34,12 @@ log = logging.getLogger(__name__)
 def _build_with_target(config, target):
     """The drafter of a co-located target shard, sharing the shard's decoder (module level: pickled)."""
     return build_proposer(config, target)
+
+
+def _build_in_draft_actor(config):
+    """A draft actor's drafter, with torch on the actor's cores (module level: pickled)."""
+    use_cores(config.cpu_threads)
+    return build_proposer(config)
 
 
 class ColocatedWorker:
@@ -64,7 +71,7 @@ class SpecCluster:
             draft_actor = ray.remote(DraftWorker)
             # every draft actor serves the requests of every target group: room for all of them
             shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * spec.num_target_groups})
-            builder = functools.partial(build_proposer, shared)
+            builder = functools.partial(_build_in_draft_actor, shared)
             self.drafters = [
                 RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(builder))
                 for i in range(spec.draft_actor_count)
@@ -105,6 +112,7 @@ class SpecCluster:
             attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
             hidden_layers=layers, hidden_dtype=dtype,
             build_drafter=functools.partial(_build_with_target, config) if colocated else None,
+            cpu_threads=config.cpu_threads,
         )
 
     def _rebuild_target_group(self, group: int) -> TargetGroup:

@@ -5,7 +5,9 @@ actors, placed on their own GPU sets) and serves each through one SpecService fo
 routed by the model a request names (models.py): the gRPC
 methods below (names match protos/specserve.proto; Serve's gRPC proxy routes an RPC to the method
 of the same name) and the FastAPI routes of openai_api.py. Scaling the deployment scales
-target groups; `record_autoscaling_stats` feeds autoscaling.py's policy.
+target groups; `record_autoscaling_stats` feeds autoscaling.py's policy. `GET /health` (openai_api.py)
+and grpc.health.v1 answer whether every engine loop of a replica runs, and once the application
+answers, its first replica logs `specserve ready: model ..., HTTP on HOST:PORT, gRPC on PORT`.
 
 `build_app(args)` is the import path for `ray serve run configs/serve.yaml` and `serve build`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 from fastapi import FastAPI
@@ -101,12 +104,46 @@ http_app = FastAPI(title="specserve", description="Lossless speculative decoding
 http_app.include_router(build_openai_router(current_models))
 HEALTH_SERVICES = ("", "specserve.SpecServe")
 """What grpc.health.v1.Health/Check knows: the whole server ("") and its service; others are NOT_FOUND."""
+READY_POLL_S = 0.5
+READY_WAIT_S = 900.0
+"""How often, and how long, the first replica asks Serve whether the application is running yet."""
+
+
+def serve_details():
+    """Serve's view of itself (applications, proxies, their ports): what `serve status` shows.
+    `serve.status()` drops the ports, so this asks the controller through Serve's client."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    return ServeInstanceDetails(**_get_global_client().get_serve_details())
+
+
+def serving_ready(details, app_name: str) -> bool:
+    """The application runs (every replica it wants answers), a proxy is up and none is starting
+    (EveryNode drains the proxies of nodes without replicas: those do not count)."""
+    app = details.applications.get(app_name)
+    statuses = [proxy.status for proxy in details.proxies.values()]
+    return app is not None and app.status == "RUNNING" and "STARTING" not in statuses and (
+        not statuses or "HEALTHY" in statuses)
+
+
+def ready_line(model_ids: list[str], details) -> str:
+    """`specserve ready: model M, HTTP on HOST:PORT, gRPC on PORT`, from Serve's proxy options."""
+    if str(getattr(details.proxy_location, "value", details.proxy_location)) == "Disabled":
+        where = "no HTTP or gRPC proxy (proxy_location: Disabled)"
+    else:
+        http, grpc_options = details.http_options, details.grpc_options
+        where = f"HTTP on {http.host}:{http.port}" if http is not None else "HTTP off"
+        served_grpc = grpc_options is not None and grpc_options.grpc_servicer_functions
+        where += f", gRPC on {grpc_options.port}" if served_grpc else ", gRPC off (no grpc_servicer_functions)"
+    return f"specserve ready: model {', '.join(model_ids)}, {where}"
 
 
 @serve.deployment(name="SpecServer", max_ongoing_requests=64, graceful_shutdown_timeout_s=30, health_check_period_s=10)
 @serve.ingress(http_app)
 class SpecServer:
     def __init__(self, args: AppArgs):
+        started = time.monotonic()
         self.metrics = ServingMetrics()
         self.clusters, services = [], []
         for served in args.served():
@@ -115,13 +152,40 @@ class SpecServer:
             engine = served.cluster.engine
             services.append(SpecService(cluster.loops, cluster.tokenizer, served.model_id, engine.method,
                                         engine.lookahead, args.limits, observer=self.metrics))
+            # a fast tokenizer whose file turns truncation or padding on changes it on its first use;
+            # changing it while another thread tokenizes raises "Already borrowed", and requests are
+            # tokenized on worker threads: settle it here, once
+            cluster.tokenizer.encode("ready")
         self.models = ServedModels(services)
         self._sampler = asyncio.get_event_loop().create_task(self._sample_forever())
+        self._announcer = asyncio.get_event_loop().create_task(self._announce_ready(started))
 
     @property
     def loops(self) -> list:
         """Every engine loop of every model."""
         return [loop for cluster in self.clusters for loop in cluster.loops]
+
+    async def _announce_ready(self, started: float) -> None:
+        """Logs `specserve ready: ...` (models and ports) once the application answers: the first
+        replica (rank 0) asks Serve until the application and its proxies run. The "ray.serve"
+        logger goes to the replica's log file and its stderr, which `serve run` shows."""
+        context = serve.get_replica_context()
+        rank = getattr(context, "rank", 0)
+        if getattr(rank, "rank", rank) != 0:
+            return
+        model_ids = [service.model_id for service in self.models]
+        try:
+            while not serving_ready(details := await asyncio.to_thread(serve_details), context.app_name):
+                if time.monotonic() - started > READY_WAIT_S:
+                    log.warning("application %s is not running %.0f s after this replica started",
+                                context.app_name, READY_WAIT_S)
+                    return
+                await asyncio.sleep(READY_POLL_S)
+        except Exception as error:  # Serve's client changed: the replica answers; the ports are unknown
+            log.info("specserve ready: model %s (this replica; no proxy ports from Serve: %s)",
+                     ", ".join(model_ids), error)
+            return
+        log.info("%s (%.1f s after this replica started)", ready_line(model_ids, details), time.monotonic() - started)
 
     async def _sample_forever(self) -> None:
         while True:
@@ -157,11 +221,13 @@ class SpecServer:
 
     # ---- gRPC -----------------------------------------------------------------------------------
 
-    def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
+    async def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
+        """The request's service and engine request, built (tokenized, its grammar compiled) on a
+        worker thread: on the event loop, a large grammar would stall every stream while it compiles."""
         self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
         service = self.models.resolve(message.model)
-        return service, service.build_request(options_from(message))
+        return service, await asyncio.to_thread(lambda: service.build_request(options_from(message)))
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:
@@ -182,7 +248,7 @@ class SpecServer:
 
     async def Generate(self, message: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         try:
-            service, request = self._request(message, grpc_context)
+            service, request = await self._request(message, grpc_context)
             output = await service.generate(request, protocol="grpc")
         except Exception as error:
             self._fail(grpc_context, error)
@@ -199,7 +265,7 @@ class SpecServer:
         error with its traceback. Failures (INTERNAL, UNAVAILABLE) are raised."""
         sent = False
         try:
-            service, request = self._request(message, grpc_context)
+            service, request = await self._request(message, grpc_context)
             async for event in service.stream(request, protocol="grpc"):
                 finished = event.finished
                 if finished and finished.finish_reason == "error":

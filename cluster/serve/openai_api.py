@@ -6,7 +6,11 @@ included (400 names the bad field in `param`, 401 for a wrong key, 404 `model_no
 that is not served, 503 with Retry-After when the replica is full or a worker failed). A refusal is
 logged once, at INFO, without a traceback: it is the client's mistake, not the server's. Speculation
 is chosen per request with a non-standard `speculation` object (the fields of `SpeculationOptions`)
-and reported back in a non-standard `speculation` object.
+and reported back in a non-standard `speculation` object. `GET /health` answers 200 while every
+engine loop of the replica runs and 503 otherwise, without an API key (as vLLM's does).
+
+A body is parsed, tokenized and its grammar compiled on a worker thread (`asyncio.to_thread`), not
+on the replica's event loop, where a large grammar would stall every stream while it compiles.
 """
 # no `from __future__ import annotations`: FastAPI must see real classes after Serve pickles the routes
 
@@ -44,6 +48,19 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
             return JSONResponse({"object": "list", "data": cards})
 
         return await _answer(request, get_models, models)
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 while every engine loop of this replica runs, 503 otherwise (vLLM's /health, for load
+        balancers, readiness probes and benchmark tools). No API key, as in vLLM."""
+        try:
+            loops = [loop for service in get_models() for loop in service.loops]
+        except Exception as error:  # not serving yet (no replica context) or shutting down
+            return _unhealthy(f"the replica is not serving: {error}")
+        dead = sum(not loop.alive for loop in loops)
+        if dead:
+            return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
+        return JSONResponse({"status": "ok"})
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -86,6 +103,11 @@ async def _answer(request: Request, get_models: Callable[[], ServedModels],
         status, response = 503, _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
     log.info("%s %s refused with %d: %s", request.method, request.url.path, status, response.body.decode())
     return response
+
+
+def _unhealthy(reason: str) -> JSONResponse:
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503,
+                        headers={"Retry-After": RETRY_AFTER_S})
 
 
 def _failed(output: GenerationOutput) -> JSONResponse:
@@ -150,7 +172,10 @@ async def _outputs_unless_abandoned(call: Call, request: Request) -> list[Genera
 
 async def _complete(served: ServedModels, request: Request, chat: bool) -> Response:
     request_id = uuid.uuid4().hex
-    call = parse_call(await request.body(), served, chat, request_id)
+    body = await request.body()
+    # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
+    # event loop: a worker thread of the loop's (bounded) default executor does it
+    call = await asyncio.to_thread(parse_call, body, served, chat, request_id)
     service = call.service
     strings = service.token_strings if call.logprobs else None
     shape = ResponseShape(("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), service.model_id, chat, strings)

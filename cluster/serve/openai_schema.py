@@ -231,7 +231,8 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
 
 def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str) -> Call:
     """The request a body asks for, checked field by field (InvalidRequest names the wire field;
-    ModelNotFound names a model that is not served)."""
+    ModelNotFound names a model that is not served). It tokenizes the prompt and compiles any
+    grammar, so the routes call it on a worker thread, not on the event loop."""
     body = _json_object(raw_body)
     service = models.resolve(body.get("model"))
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -297,9 +298,10 @@ class ResponseShape:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, choices: list[GenerationOutput], prompt_tokens: int) -> dict:
-        """What stream_options.include_usage asks for: a last chunk with no choices."""
+        """What stream_options.include_usage asks for: a last chunk with no choices (and, as a
+        whole response does, what speculation did)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, []) | {"usage": usage(choices, prompt_tokens)}
+        return self._envelope(kind, []) | {"usage": usage(choices, prompt_tokens), "speculation": speculation_stats(choices)}
 
 
 def usage(choices: list[GenerationOutput], prompt_tokens: int) -> dict:

@@ -16,11 +16,19 @@ Read (the layout is recognised from config.json and the tensor names):
 EAGLE-3 aux layers default to vLLM's choice, (2, L // 2, L - 3) of an L-layer target.
 
 Written: EAGLE-3 heads in the `speculators` format, Medusa heads in vLLM's, so a head trained here
-serves in vLLM and any head read here can be rewritten in those formats (`specserve convert-head`).
+serves in vLLM and any head read here can be rewritten in those formats (`specserve convert-head`);
+EAGLE-1/2 heads in their own layout with safetensors weights.
+
+Weights are read from safetensors only. A head whose weights are PyTorch pickles (`*.bin`, `*.pt`,
+as EAGLE-1/2 and some Medusa heads are published) is refused with an error that names
+`specserve convert-head`, which reads such files on request (`allow_pickle`) with
+`torch.load(weights_only=True)`, accepting only a flat mapping of names to tensors, and writes
+safetensors.
 """
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,27 +63,59 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
     return 2, num_target_layers // 2, num_target_layers - 3
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: *.safetensors, else PyTorch pickles (weights only)."""
+class PickledWeights(ValueError):
+    """A head whose weights are PyTorch pickles, or a pickle that is not just tensors."""
+
+
+PICKLES = ("*.bin", "*.pt", "*.pth")
+
+
+def read_tensors(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's *.safetensors files. Without them, PyTorch pickles are
+    refused, unless `allow_pickle` (a conversion the user asked for): then they are read with
+    `weights_only=True` and must each hold a flat mapping of names to tensors."""
     files = sorted(path.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     if files:
         for file in files:
             tensors.update(load_file(file))
         return tensors
-    for file in sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")):
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-    if not tensors:
-        raise FileNotFoundError(f"{path} has no *.safetensors, *.bin or *.pt weights")
+    pickles = sorted(file for pattern in PICKLES for file in path.glob(pattern))
+    if not pickles:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    if not allow_pickle:
+        raise PickledWeights(f"{path}: weights are PyTorch pickles ({', '.join(f.name for f in pickles)}), which are not "
+                             f"loaded: `specserve convert-head {path} DEST` rewrites them as safetensors")
+    for file in pickles:
+        tensors.update(_read_pickle(file))
     return tensors
 
 
-def load_head(path: str | Path, num_target_layers: int | None = None) -> HeadCheckpoint:
+def _read_pickle(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # what the weights-only unpickler raises for anything but tensors
+        reason = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\.\s|\n\n|$)", str(error), re.DOTALL)
+        reason = " ".join(reason[1].split()) if reason else "objects other than tensors"
+        raise PickledWeights(f"{file}: refused, not pure tensors (weights-only read: {reason})") from None
+    except Exception as error:  # noqa: BLE001 - whatever torch raises for a file that is no PyTorch save
+        raise PickledWeights(f"{file}: not a readable PyTorch weights file ({type(error).__name__})") from None
+    if not isinstance(state, dict):
+        raise PickledWeights(f"{file}: refused, holds a {type(state).__name__}, not a mapping of names to tensors")
+    odd = [name for name, value in state.items() if not (isinstance(name, str) and isinstance(value, torch.Tensor))]
+    if odd:
+        raise PickledWeights(f"{file}: refused, not pure tensors: {len(odd)} entries are not named tensors, "
+                             f"e.g. {odd[:3]}")
+    return state
+
+
+def load_head(path: str | Path, num_target_layers: int | None = None, allow_pickle: bool = False) -> HeadCheckpoint:
     """A head from a checkpoint folder in any layout above; `num_target_layers` fills in EAGLE-3's
-    default aux layers and EAGLE-1/2's and Medusa's final-layer input."""
+    default aux layers and EAGLE-1/2's and Medusa's final-layer input. `allow_pickle`: read
+    PyTorch pickles too (tensors only), for `specserve convert-head`; never when serving."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    tensors = read_tensors(path)
+    tensors = read_tensors(path, allow_pickle)
     if config.get("model_type") == "medusa" or "medusa_num_heads" in config:
         return _medusa(config, tensors)
     if config.get("speculators_model_type") == "eagle3":
@@ -131,7 +171,7 @@ def _eagle1(config: dict, tensors, num_target_layers) -> HeadCheckpoint:
     head = EagleHead(_layer_config(config), 1, aux_layers=(num_target_layers,), fc_bias="fc.bias" in tensors,
                      own_embedding="embed_tokens.weight" in tensors)
     _load(head, {k: v for k, v in tensors.items() if not k.startswith("lm_head")}, "EAGLE-1/2")
-    return HeadCheckpoint("eagle", head, _verifier(config))
+    return HeadCheckpoint("eagle", head, _verifier(config), extra={"config": config})
 
 
 _PUBLIC_MEDUSA = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
@@ -225,11 +265,15 @@ def save_medusa(heads: MedusaHeads, path: str | Path, verifier: str, choices: li
 
 def save_head(checkpoint: HeadCheckpoint, path: str | Path, verifier_architectures: list[str] = ("LlamaForCausalLM",),
               dtype: torch.dtype = torch.bfloat16) -> None:
-    """A head read in any layout, written in this project's (and vLLM's) format."""
+    """A head read in any layout, written in this project's (and vLLM's) format; an EAGLE-1/2 head
+    (which has no other format) in its own layout, with safetensors weights."""
     if checkpoint.kind == "medusa":
         save_medusa(checkpoint.module, path, checkpoint.verifier or "", checkpoint.medusa_choices, dtype)
     elif checkpoint.kind == "eagle3":
         save_eagle3(checkpoint.module, path, checkpoint.verifier or "", list(verifier_architectures),
                     checkpoint.speculative_tokens or 5, dtype)
+    elif "config" in checkpoint.extra:
+        config = {k: v for k, v in checkpoint.extra["config"].items() if k not in ("torch_dtype", "dtype")}
+        _save(checkpoint.module.state_dict(), config, Path(path), dtype)
     else:
-        raise ValueError("EAGLE-1/2 heads are read in their own layout; there is nothing to convert them to")
+        raise ValueError("this EAGLE-1/2 head was not read from a checkpoint: its config is unknown")

@@ -22,6 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 
+def work_folder(cache: Path, model: str) -> Path:
+    """Where `specserve train` keeps a target's recorded data (`data/`) and runs (`runs/`)."""
+    return cache / "train" / Path(model).name
+
+
 @dataclass
 class Example:
     index: int

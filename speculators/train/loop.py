@@ -3,9 +3,10 @@ evaluation, a progress bar, and checkpoints it resumes from.
 
 An objective is a callable `objective(batch) -> (loss, sums)` whose `sums` add up over batches
 and whose `summary(sums)` turns them into figures (loss, top-1 per depth, estimated accepted
-tokens per pass). A checkpoint (`checkpoint.pt` in the run folder: trainable weights, optimizer,
-step) is written every `checkpoint_every` steps and at the end; a run started again with the same
-folder continues from it, with the same batch order (seeded per epoch).
+tokens per pass). A checkpoint (`checkpoint.safetensors` in the run folder: the module's weights and
+the optimizer's tensors, with the step, the config and the optimizer's other state as JSON in the
+file's metadata; nothing is pickled) is written every `checkpoint_every` steps and at the end; a run
+started again with the same folder continues from it, with the same batch order (seeded per epoch).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from speculators.train.dataset import Example
@@ -39,6 +42,51 @@ class TrainConfig:
     autocast: bool = True
     """Matrix products in bfloat16 (weights and optimizer stay float32): 4-5x faster on CPUs with
     AVX512-BF16 and on GPUs."""
+
+
+CHECKPOINT = "checkpoint.safetensors"
+LEGACY_CHECKPOINT = "checkpoint.pt"
+"""What runs before safetensors checkpoints wrote (read once, weights only, then replaced)."""
+
+
+def save_checkpoint(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    config: dict | None = None) -> None:
+    """`module`'s state and `optimizer`'s in one safetensors file, written whole and then renamed:
+    tensors as `module.<name>` and `optimizer.<param index>.<name>`, everything else (step, config,
+    param groups, non-tensor optimizer state) as JSON under the metadata key `state`."""
+    tensors = {f"module.{name}": value for name, value in module.state_dict().items()}
+    optimizer_state = optimizer.state_dict()
+    scalars: dict[str, dict] = {}
+    for index, values in optimizer_state["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{name}"] = value
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    state = {"step": step, "config": config, "param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars}
+    partial = path.with_name(path.name + ".partial")
+    save_file({name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}, partial,
+              metadata={"state": json.dumps(state)})
+    partial.replace(path)
+
+
+def load_checkpoint(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    device: str = "cpu") -> dict:
+    """Restore what `save_checkpoint` wrote into `module` and `optimizer`; returns the JSON state
+    (`step`, `config`)."""
+    with safe_open(path, "pt") as handle:
+        state = json.loads((handle.metadata() or {})["state"])
+    tensors = load_file(path, device=device)
+    module.load_state_dict({name.removeprefix("module."): t for name, t in tensors.items() if name.startswith("module.")})
+    per_param: dict[int, dict] = {int(index): dict(values) for index, values in state["optimizer_scalars"].items()}
+    for name, tensor in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            per_param.setdefault(int(index), {})[key] = tensor
+    groups = [{key: tuple(value) if isinstance(value, list) and key != "params" else value for key, value in group.items()}
+              for group in state["param_groups"]]  # JSON made the tuples (betas) lists
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    return state
 
 
 def _add(total: dict[str, float], more: dict[str, float]) -> None:
@@ -79,19 +127,20 @@ def train(module: torch.nn.Module, objective, train_examples: Sequence[Example],
         progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
         return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    step, checkpoint = 0, folder / "checkpoint.pt"
+    step, checkpoint, legacy = 0, folder / CHECKPOINT, folder / LEGACY_CHECKPOINT
     if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=config.device, weights_only=False)
+        step = load_checkpoint(checkpoint, module, optimizer, config.device)["step"]
+        log(f"resuming at step {step} of {total} from {checkpoint}")
+    elif legacy.exists():  # plain containers and tensors only: weights_only refuses anything else
+        state = torch.load(legacy, map_location=config.device, weights_only=True)
         module.load_state_dict(state["module"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-        log(f"resuming at step {step} of {total} from {checkpoint}")
+        log(f"resuming at step {step} of {total} from {legacy}")
 
     def save() -> None:
-        partial = checkpoint.with_suffix(".partial")
-        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "config": asdict(config)}, partial)
-        partial.replace(checkpoint)
+        save_checkpoint(checkpoint, module, optimizer, step, asdict(config))
+        legacy.unlink(missing_ok=True)
 
     held: dict[str, float] = {}
     recent: dict[str, float] = {}

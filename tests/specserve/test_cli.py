@@ -97,3 +97,67 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "(default: 0.0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arguments,named,command", [
+    (["generate", "hi", "--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'", "generate"),
+    (["generate", "hi", "--no-such-option", "3"], "unrecognized arguments: --no-such-option 3", "generate"),
+    (["generate"], "the following arguments are required: prompt", "generate"),
+    (["bench", "specbench", "--limit", "x"], "argument --limit: invalid int value: 'x'", "bench specbench"),
+    (["no-such-command"], "argument command: invalid choice: 'no-such-command'", None),
+])
+def test_a_bad_option_is_one_line_naming_it_not_the_usage(capsys, arguments, named, command):
+    with pytest.raises(SystemExit) as exit_:
+        main(arguments)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    hint = f"(see specserve {command} --help)" if command else "(see specserve --help)"
+    assert err.startswith(f"specserve: error: {named}")
+    assert err.endswith(f" {hint}\n") and err.count("\n") == 1 and "usage" not in err
+
+
+def _parsers(parser):
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield from _parsers(sub)
+
+
+def test_help_shows_every_options_default_once(capsys):
+    import argparse
+
+    from specserve.cli import build_parser
+
+    for parser in _parsers(build_parser()):
+        shown = [a for a in parser._actions if a.option_strings and a.default is not argparse.SUPPRESS
+                 and a.help is not argparse.SUPPRESS]
+        text = " ".join(parser.format_help().split())
+        assert text.count("(default") == len(shown), parser.prog
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in [("--max-new-tokens MAX_NEW_TOKENS", "128"), ("--top-p TOP_P", "1.0"), ("--seed SEED", "None"),
+                            ("--temperature TEMPERATURE", "0.0")]:
+        assert f"{option} " in text and f"(default: {default})" in text.split(f"{option} ", 1)[1].split(" --", 1)[0]
+    with pytest.raises(SystemExit):
+        main(["bench", "specbench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "questions per task (default: all)" in text and "(default: all) (default" not in text
+
+
+def test_convert_head_refuses_a_pickle_that_is_not_pure_tensors_in_one_line(tmp_path, capsys):
+    import torch
+
+    from tests.speculators.heads_fixtures import layer_config
+
+    (tmp_path / "config.json").write_text(json.dumps(layer_config().to_dict()))
+    torch.save({"fc.weight": torch.zeros(2), "optimizer": {"lr": 0.1}}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert-head", str(tmp_path), str(tmp_path / "out"), "--target-layers", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specserve: error: ") and "not pure tensors" in err and "['optimizer']" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()

@@ -67,10 +67,10 @@ def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path
     assert main(["train", "medusa", *common, "--no-generate"]) == 0
     assert "resuming" in capsys.readouterr().out  # the run folder's checkpoint is picked up
     engine, tokenizer = build_engine(EngineConfig(model=model, method="medusa", draft=str(out), max_sequences=1,
-                                                  max_len=256))
+                                                  max_len=256, step_token_budget=8))  # planner off: no timing
     plain, _ = build_engine(EngineConfig(model=model, method="none", max_sequences=1, max_len=256))
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
-    fixed = LookaheadConfig(policy="fixed", num_speculative_tokens=3)  # explicit: the planner would size drafts by timing
+    fixed = LookaheadConfig(policy="fixed", num_speculative_tokens=3)
     outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine, lookahead=fixed)])[0]
                for e in (engine, plain)]
     assert outputs[0].token_ids == outputs[1].token_ids and outputs[0].stats.drafted > 0

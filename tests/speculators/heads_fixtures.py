@@ -92,25 +92,15 @@ def tiny_training_data(model, prompts: int = 128, new_tokens: int = 32, seed: in
     recorded from the decoding passes as `specserve train` records them."""
     import random
 
-    from cluster.engine.build import local_engine
-    from cluster.engine.config import SchedulerConfig
-    from cluster.engine.request import GenerationRequest
-    from speculators.proposers.prompt_lookup import PromptLookupProposer
-    from speculators.train.dataset import Example
-    from speculators.train.recorder import HiddenRecorder
+    from speculators.train.recorder import AnswerRecorder
+    from specserve.train import engine_decoder
     from tests.conftest import IdTokenizer
 
     rng = random.Random(seed)
-    recorder = HiddenRecorder(PromptLookupProposer(), (*AUX, LAYERS), dtype=model.dtype)
-    engine = local_engine(model, IdTokenizer(), recorder, SchedulerConfig(max_sequences=8, max_len=128, min_acceptance=0))
-    requests = [GenerationRequest(f"p{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))],
-                                  max_new_tokens=new_tokens) for i in range(prompts)]
-    examples = []
-    for index, (request, output) in enumerate(zip(requests, engine.generate(requests))):
-        rows = recorder.collect(request.request_id)
-        tokens = torch.tensor(request.prompt_ids + output.token_ids)[: rows.shape[0] + 1]
-        examples.append(Example(index, tokens, rows, len(request.prompt_ids), index % 8 == 0))
-    return examples
+    answers = AnswerRecorder((*AUX, LAYERS), engine_decoder(model, IdTokenizer(), 8, 128), dtype=model.dtype)
+    prompts = [(index, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))], index % 8 == 0)
+               for index in range(prompts)]
+    return answers.record(prompts, new_tokens)
 
 
 def trained_tiny_heads(model, folder: Path):

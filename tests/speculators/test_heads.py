@@ -6,8 +6,11 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from speculators.heads.checkpoint import default_aux_layers, load_head, save_eagle3, save_head, save_medusa
+from speculators.heads.checkpoint import (
+    PickledWeights, default_aux_layers, load_head, save_eagle3, save_head, save_medusa,
+)
 from speculators.hidden import TargetHidden
 from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
@@ -15,8 +18,8 @@ from speculators.train.dataset import Example
 from speculators.train.eagle3 import Eagle3Objective
 from speculators.train.packing import pack
 from tests.speculators.heads_fixtures import (
-    AUX, HIDDEN, LAYERS, VOCAB, eagle1_layout, eagle3_original_layout, medusa_public_layout, random_eagle1,
-    random_eagle3, random_medusa)
+    AUX, HIDDEN, LAYERS, VOCAB, eagle1_layout, eagle3_original_layout, layer_config, medusa_public_layout,
+    random_eagle1, random_eagle3, random_medusa)
 
 
 def eagle_outputs(head, seed=0, rows=9):
@@ -82,8 +85,12 @@ def test_eagle1_layout_uses_the_target_lm_head(tmp_path):
     head = random_eagle1()
     lm_head = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
     head.share_target(head.embed_tokens.weight, lm_head)
-    folder = eagle1_layout(random_eagle1(), tmp_path)  # written before the LM head is attached
-    loaded = load_head(folder, num_target_layers=LAYERS)
+    folder = eagle1_layout(random_eagle1(), tmp_path / "public")  # written before the LM head is attached
+    with pytest.raises(PickledWeights, match="pytorch_model.bin.*convert-head"):  # a pickle is never loaded to serve
+        load_head(folder, num_target_layers=LAYERS)
+    save_head(load_head(folder, num_target_layers=LAYERS, allow_pickle=True), tmp_path / "converted", dtype=torch.float64)
+    assert sorted(p.name for p in (tmp_path / "converted").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_head(tmp_path / "converted", num_target_layers=LAYERS)
     assert loaded.kind == "eagle" and loaded.module.aux_layers == (LAYERS,)
     assert loaded.module.fc.bias is not None
     with pytest.raises(ValueError, match="LM head"):
@@ -119,8 +126,35 @@ def test_medusa_round_trip_with_a_shared_truncated_lm_head(tmp_path):
 
 def test_an_unknown_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    torch.save({"something.weight": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    save_file({"something.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="not an EAGLE"):
+        load_head(tmp_path)
+
+
+class NotATensor:
+    def __reduce__(self):  # what a malicious pickle does on load; the weights-only reader never calls it
+        return (print, ("unpickled!",))
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"fc.weight": torch.zeros(2), "hook": NotATensor()}, r"not pure tensors \(weights-only read: Unsupported global"),
+    ({"fc.weight": torch.zeros(2), "epoch": 3}, r"not pure tensors: 1 entries are not named tensors, e\.g\. \['epoch'\]"),
+    ({"state_dict": {"fc.weight": torch.zeros(2)}}, r"not pure tensors: .*\['state_dict'\]"),
+    ([torch.zeros(2)], "holds a list, not a mapping of names to tensors"),
+])
+def test_a_pickled_head_that_is_not_pure_tensors_is_refused_even_when_converting(tmp_path, capsys, content, message):
+    (tmp_path / "config.json").write_text(json.dumps(layer_config().to_dict()))
+    torch.save(content, tmp_path / "pytorch_model.bin")
+    with pytest.raises(PickledWeights, match="weights are PyTorch pickles"):
+        load_head(tmp_path, LAYERS)
+    with pytest.raises(PickledWeights, match=message):
+        load_head(tmp_path, LAYERS, allow_pickle=True)
+    assert "unpickled!" not in capsys.readouterr().out
+
+
+def test_a_folder_without_weights_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
         load_head(tmp_path)
 
 

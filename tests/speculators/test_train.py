@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculators.train.dataset import Example, FeatureStore
-from speculators.train.loop import TrainConfig, train
+from speculators.train.loop import CHECKPOINT, LEGACY_CHECKPOINT, TrainConfig, load_checkpoint, save_checkpoint, train
 from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
 from speculators.train.prompts import KINDS, build_prompts
 from speculators.train.vocab import coverage, frequent_tokens
@@ -99,8 +99,67 @@ def test_training_resumes_from_its_checkpoint(tiny_model, tmp_path):
     straight, total, _ = run(tmp_path / "straight")
     with pytest.raises(Interrupt):
         run(tmp_path / "resumed", stop_after=4)
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == [CHECKPOINT, "metrics.jsonl"]  # no pickle
     resumed, done_after, logs = run(tmp_path / "resumed")
     assert logs[0].startswith("resuming at step 3")
     assert done_after == total - 3
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.allclose(a.float(), b.float(), atol=1e-5)
+
+
+def _trained_linear(seed: int = 0):
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    module[1].weight.requires_grad_(False)  # frozen: in the module's state, not the optimizer's
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
+    for _ in range(3):
+        module(torch.randn(5, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module, optimizer
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            _assert_same_state(a[key], b[key])
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype
+        else:
+            assert a[key] == b[key], key
+
+
+def test_a_checkpoint_round_trips_module_and_optimizer_without_pickle(tmp_path):
+    from safetensors import safe_open
+
+    module, optimizer = _trained_linear()
+    save_checkpoint(tmp_path / CHECKPOINT, module, optimizer, 3, {"lr": 1e-2})
+    with safe_open(tmp_path / CHECKPOINT, "pt") as handle:  # a plain safetensors file: tensors and JSON metadata
+        assert {"module.0.weight", "module.1.weight", "optimizer.0.exp_avg", "optimizer.1.step"} <= set(handle.keys())
+        assert json.loads(handle.metadata()["state"])["step"] == 3
+    fresh, fresh_optimizer = _trained_linear(seed=1)
+    state = load_checkpoint(tmp_path / CHECKPOINT, fresh, fresh_optimizer)
+    assert (state["step"], state["config"]) == (3, {"lr": 1e-2})
+    _assert_same_state(fresh.state_dict(), module.state_dict())
+    _assert_same_state(fresh_optimizer.state_dict(), optimizer.state_dict())  # betas a tuple again, step tensors
+    x = torch.randn(2, 4)  # and both optimizers take the same next step
+    for m, o in ((module, optimizer), (fresh, fresh_optimizer)):
+        m(x).sum().backward()
+        o.step()
+    _assert_same_state(fresh.state_dict(), module.state_dict())
+
+
+def test_a_checkpoint_written_before_safetensors_resumes_read_as_weights_only(tmp_path):
+    module, optimizer = _trained_linear()
+    config = TrainConfig(epochs=1, batch_rows=64, warmup_steps=1, autocast=False)
+    torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(), "step": 1, "config": {}},
+               tmp_path / LEGACY_CHECKPOINT)
+    fresh, _ = _trained_linear(seed=1)
+    logs = []
+
+    def objective(batch):  # the run is complete: nothing is trained or evaluated
+        raise AssertionError("called")
+    train(fresh, objective, [Example(0, torch.arange(4), torch.randn(3, 4), 1, False)], [], config, tmp_path, logs.append)
+    assert logs[0].startswith(f"resuming at step 1 of 1 from {tmp_path / LEGACY_CHECKPOINT}")
+    _assert_same_state(fresh.state_dict(), module.state_dict())

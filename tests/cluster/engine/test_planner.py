@@ -56,11 +56,11 @@ def test_a_full_batch_drafts_less_than_a_lone_request():
     assert sum(t.num_drafted for t in batch) / 16 < alone[0].num_drafted
 
 
-def test_sampled_trees_and_chosen_lookaheads_are_never_trimmed():
+def test_sampled_trees_are_never_trimmed():
     planner = Planner(curve(per_token=1.0))
     sampled = DraftTree.chain(0, [1, 2, 3], draft_probs=torch.full((4, 5), 0.2), confidence=[1.0, 0.1, 0.1, 0.1])
-    kept = planner.trim([Planned(sampled, trimmable=False), Planned(chain(3, 0.1), trimmable=False)])
-    assert [t.num_drafted for t in kept] == [3, 3]
+    kept = planner.trim([Planned(sampled, trimmable=False), Planned(chain(3, 0.1), trimmable=True)])
+    assert [t.num_drafted for t in kept] == [3, 0]
 
 
 def test_trimming_keeps_parents_with_children_and_remaps_the_tree():

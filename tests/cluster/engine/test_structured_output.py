@@ -7,6 +7,8 @@ engine works with a real byte-level vocabulary); bounded schemas, so that its ra
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -153,3 +155,76 @@ def test_a_sampled_tree_keeps_a_ruled_out_node_for_the_verifier(setup, plain):
     pruned, dropped = rules.prune(tree)
     assert (pruned.token_ids, pruned.parents, dropped) == ([0, bad, output[0]], [-1, 0, 0], 1)
     assert pruned.draft_probs.shape == (3, 8)
+
+
+# ---- the compiled-grammar cache ----------------------------------------------------------------
+
+
+def counting_compiler(cache_size: int, monkeypatch, compile=None) -> tuple[GrammarCompiler, list[GrammarSpec]]:
+    """A compiler whose compiling is replaced by `compile` (default: a fresh object), with the specs it compiled."""
+    compiler, compiled = GrammarCompiler(None, 64, [], cache_size=cache_size), []
+
+    def count(spec):
+        compiled.append(spec)
+        return (compile or (lambda _: object()))(spec)
+
+    monkeypatch.setattr(compiler, "_compile", count)
+    return compiler, compiled
+
+
+def test_a_spec_is_compiled_once_while_it_is_among_the_last_used(monkeypatch):
+    compiler, compiled = counting_compiler(2, monkeypatch)
+    a, b, c = (GrammarSpec("regex", value) for value in ("a+", "b+", "c+"))
+    first = compiler.compile(a)
+    assert compiler.compile(GrammarSpec("regex", "a+")) is first and compiled == [a]
+    compiler.compile(b)
+    compiler.compile(a)  # a is now the most recently used: c evicts b
+    compiler.compile(c)
+    assert compiler.compile(a) is first and compiled == [a, b, c]
+    compiler.compile(b)
+    assert compiled == [a, b, c, b]
+    assert compiler.cache_info() == {"hits": 3, "misses": 4, "size": 2, "limit": 2}
+
+
+def test_a_refused_spec_is_remembered_and_a_zero_size_cache_keeps_nothing(monkeypatch):
+    def refuse(spec):
+        raise ValueError(f"cannot compile the regex: {spec.value}")
+
+    compiler, compiled = counting_compiler(4, monkeypatch, refuse)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot compile the regex: [(]"):
+            compiler.compile(GrammarSpec("regex", "("))
+    assert len(compiled) == 1
+    uncached, compiled = counting_compiler(0, monkeypatch)
+    assert uncached.compile(GrammarSpec("regex", "a")) is not uncached.compile(GrammarSpec("regex", "a"))
+    assert len(compiled) == 2 and uncached.cache_info()["size"] == 0
+
+
+def test_requests_for_a_spec_being_compiled_wait_for_that_compile(monkeypatch):
+    started, release = threading.Event(), threading.Event()
+
+    def slow(spec):
+        started.set()
+        release.wait(10)
+        return object()
+
+    compiler, compiled = counting_compiler(4, monkeypatch, slow)
+    spec = GrammarSpec("json_object")
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(compiler.compile, spec)
+        assert started.wait(10)
+        others = [pool.submit(compiler.compile, spec) for _ in range(3)]
+        release.set()
+        results = {id(future.result(10)) for future in [first, *others]}
+    assert len(results) == 1 and compiled == [spec]
+
+
+def test_the_real_compiler_compiles_a_spec_once(setup):
+    tokenizer = setup[0]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0][0]))
+    grammar = compiler.compile(spec)
+    assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0][0]))) is grammar
+    assert compiler.cache_info()["misses"] == 1 and compiler.cache_info()["hits"] == 1
+    with pytest.raises(ValueError, match="cannot compile the json schema"):
+        compiler.compile(GrammarSpec("json_schema", "{not json"))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.model.loader import load_model
+from actors.model.loader import load_model, load_tokenizer
 from cluster.engine.build import local_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import ColocatedWorker, SpecCluster
+from cluster.serve.requests import RequestBuilder, RequestOptions, StructuredOutput
 from speculators.heads.checkpoint import save_eagle3, save_medusa
 from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
@@ -75,3 +76,42 @@ def test_a_head_colocated_with_its_target(ray_four_gpus, tiny_model_dir, head_fo
 def test_colocation_needs_a_one_rank_target():
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         ClusterSpec(engine=EngineConfig(method="eagle3"), tensor_parallel_size=2, colocate_drafter=True)
+
+
+def options_requests(builder: RequestBuilder, prefix: str) -> list:
+    """Requests with every option that changes what the target sends back or verifies against: top
+    log-probabilities, penalties and a grammar (response_format), built as the service builds them."""
+    grammar = StructuredOutput(kind="regex", value="[0-9A-F]{1,40}")  # characters of the tiny vocabulary
+    variants = [{"logprobs": 2}, {"presence_penalty": 0.5, "repetition_penalty": 1.2}, {"structured_output": grammar}]
+    return [builder.build_request(RequestOptions(prompt_token_ids=prompt, max_new_tokens=24, **variant),
+                                  f"{prefix}{i}-{j}")
+            for i, prompt in enumerate(PROMPTS[:2]) for j, variant in enumerate(variants)]
+
+
+def essentials(outputs) -> list:
+    return [(o.finish_reason, o.token_ids, None if o.logprobs is None else [round(p.logprob, 4) for p in o.logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "draft-actor-tp2"])
+def test_every_request_option_through_a_head(ray_four_gpus, tiny_model_dir, head_folders, deployment):
+    """Log-probabilities, penalties and a grammar reach a co-located head's shard and a draft actor beside
+    a TP=2 group without failing the group: outputs equal plain decoding of the same requests."""
+    engine = EngineConfig(model=str(tiny_model_dir), method="eagle3", draft=str(head_folders / "eagle3"),
+                          max_sequences=6, max_len=256)
+    colocated = deployment == "colocated"
+    spec = ClusterSpec(engine=engine, tensor_parallel_size=1 if colocated else 2, colocate_drafter=colocated)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    plain_engine = local_engine(load_model(tiny_model_dir), tokenizer, None,
+                                engine.model_copy(update={"method": "none"}))
+    plain = plain_engine.generate(options_requests(RequestBuilder.in_process(plain_engine, tokenizer, engine), "p"))
+    cluster = SpecCluster(spec).start()
+    try:
+        served = cluster.generate(options_requests(RequestBuilder.in_process(cluster.loops[0].engine, tokenizer,
+                                                                             engine), "s"), timeout_s=180)
+        failures = cluster.loops[0].engine.counters.target_failures
+    finally:
+        cluster.shutdown()
+    assert failures == 0
+    assert essentials(served) == essentials(plain)
+    assert all(o.finish_reason in ("stop", "length") for o in served), [(o.finish_reason, o.error) for o in served]

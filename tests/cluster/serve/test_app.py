@@ -1,8 +1,11 @@
 """The Ray Serve application on CPU, driven over real ports by a gRPC client and the openai client."""
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import openai
@@ -129,6 +132,28 @@ def test_models_and_health(stub, ports):
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     channel.close()
+
+
+def test_http_health_needs_no_api_key(ports):
+    connection = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=30)
+    connection.request("GET", "/health")
+    response = connection.getresponse()
+    assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
+    connection.close()
+
+
+def test_the_first_replica_says_when_the_application_is_ready(ports):
+    """One line with the ports in the replica's log (and on its stderr, which `serve run` shows)."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    expected = f"specserve ready: model smollm2-135m, HTTP on 127.0.0.1:{ports[0]}, gRPC on {ports[1]} ("
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        lines = [line for log in logs.glob("replica_specserve_SpecServer_*.log")
+                 for line in log.read_text(errors="replace").splitlines() if "specserve ready" in line]
+        if lines:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 1 and expected in lines[0], lines
 
 
 def test_grpc_and_http_at_once(stub, ports, plain_ids):

@@ -1,0 +1,34 @@
+"""What one replica accepts: request sizes, concurrency, deadlines and the API key."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from cluster.serve.api_key import resolve_api_key
+
+
+class ServiceLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_prompt_tokens: int = Field(1536, ge=1, description="longest prompt accepted, in tokens")
+    max_new_tokens: int = Field(512, ge=1, description="most tokens one request may ask for")
+    max_concurrent_requests: int = Field(64, ge=1, description="requests in flight per replica; more are refused with 503 / RESOURCE_EXHAUSTED")
+    max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
+    max_stop_string_chars: int = Field(
+        64, ge=1, description="longest stop string, in characters: streamed text is held back by this much "
+        "while it could still turn into a stop string")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="a request still running after this many seconds is aborted with a retryable error")
+    max_n: int = Field(16, ge=1, le=128, description="most choices (n, best_of) one request may ask for")
+    max_grammar_chars: int = Field(
+        65536, ge=1, description="longest JSON schema, regular expression or grammar a request may give, in characters")
+    api_key: SecretStr | None = Field(
+        None, description="when set, clients must send it (HTTP bearer, gRPC metadata 'authorization'); "
+        "prefer api_key_env or api_key_file, which keep the key out of the Serve config")
+    api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
+    api_key_file: str | None = Field(
+        None, description="path of a file holding the API key (a mounted Kubernetes Secret)")
+
+    def resolved_api_key(self) -> SecretStr | None:
+        """The key from whichever source is configured; a named source that is missing is an error,
+        never a silently open server."""
+        return resolve_api_key(self.api_key, self.api_key_env, self.api_key_file)

@@ -1,0 +1,276 @@
+"""Every entrance's one way from what a client sent to what the engine runs.
+
+HTTP, gRPC, `specserve generate` and every benchmark turn their input into `RequestOptions` and call
+`RequestBuilder.build_request` (or `build_samples` for `n` / `best_of`), which checks every field and
+names the bad one (InvalidRequest -> HTTP 400 / INVALID_ARGUMENT). So a benchmark cannot measure a
+request no client can send: per-request speculation options only cap what the engine's planner
+may draft, and `speculation.method: off` is the one way to opt out.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import replace
+from functools import cached_property
+from typing import Literal, get_args
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.engine.config import EngineConfig, Method
+from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, GrammarCompiler, GrammarSpec
+from cluster.engine.request import GenerationRequest
+from cluster.serve.limits import ServiceLimits
+from cluster.serve.samples import Samples
+from cluster.serve.token_strings import TokenStrings
+from speculators.logprobs import MAX_TOP_LOGPROBS
+from speculators.lookahead import LookaheadConfig
+from speculators.penalties import Penalties
+from speculators.sampling import SamplingParams
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # crosses Ray process boundaries (a replica's error reaches the proxy)
+        return type(self), (self.field, self.message)
+
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""Client input: no coercion of strings or booleans into numbers, no NaN or infinities."""
+MAX_CHARS_PER_TOKEN = 16
+"""A prompt longer than max_prompt_tokens x this many characters is refused before tokenizing it."""
+
+
+class SpeculationOptions(BaseModel):
+    """Per-request speculation; anything left None takes the deployment's default."""
+
+    model_config = STRICT
+
+    method: Literal[("default", "off", *get_args(Method))] = "default"
+    lookahead: Literal["fixed", "heuristic", "confidence"] | None = None
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, le=64, validation_alias=AliasChoices("num_speculative_tokens", "max_speculative_tokens"))
+    confidence_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, validation_alias=AliasChoices("confidence_threshold", "assistant_confidence_threshold"))
+
+
+class StructuredOutput(BaseModel):
+    """What the output must match: any JSON object, a JSON schema (as JSON text), a regular
+    expression or an EBNF grammar."""
+
+    model_config = STRICT
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar"]
+    value: str | None = None
+
+
+class RequestOptions(BaseModel):
+    """Everything a client may send, in one wire-independent shape."""
+
+    model_config = STRICT
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    max_new_tokens: int | None = None
+    """None: DEFAULT_MAX_NEW_TOKENS, within the deployment's limit."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)
+    stop: list[str] = Field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives wanted at each position (0: the chosen token's log-probability only); None: none."""
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    structured_output: StructuredOutput | None = None
+    speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
+
+
+def _check_utf8(field: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequest(field, f"is not valid UTF-8 text ({error.reason} at character {error.start})") from None
+
+
+class RequestBuilder:
+    """Builds engine requests for one served model (its engine gives the context window, the
+    vocabulary and the end-of-sequence tokens; None only where no request is ever built)."""
+
+    def __init__(self, engine, tokenizer, model_id: str, method: str, default_lookahead: LookaheadConfig,
+                 limits: ServiceLimits = ServiceLimits()):
+        self.engine, self.tokenizer, self.model_id, self.method = engine, tokenizer, model_id, method
+        self.default_lookahead, self.limits = default_lookahead, limits
+
+    @classmethod
+    def in_process(cls, engine, tokenizer, config: EngineConfig) -> RequestBuilder:
+        """The builder of an engine run in this process (`specserve generate`, the benchmarks): the
+        service's rules, with the whole context window as the prompt and output limits."""
+        window = config.max_len - 1
+        return cls(engine, tokenizer, config.model, config.method, config.lookahead,
+                   ServiceLimits(max_prompt_tokens=window, max_new_tokens=window))
+
+    def _prompt_ids(self, options: RequestOptions) -> list[int]:
+        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(options, name) not in (None, [], "")]
+        if len(given) != 1:
+            raise InvalidRequest("prompt", "give exactly one of prompt, prompt_token_ids or messages")
+        if options.prompt:
+            self._check_text("prompt", options.prompt)
+            ids = self.tokenizer.encode(options.prompt)
+        elif options.prompt_token_ids:
+            ids = list(options.prompt_token_ids)
+        else:
+            for index, message in enumerate(options.messages):
+                if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                        or message.get("role") not in ("system", "user", "assistant"):
+                    raise InvalidRequest(f"messages[{index}]", "needs role (system, user or assistant) and string content")
+            self._check_text("messages", "".join(m["content"] for m in options.messages))
+            ids = list(self.tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in options.messages],
+                add_generation_prompt=True, tokenize=True, return_dict=False))
+        if not ids:
+            raise InvalidRequest("prompt", "is empty")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequest("prompt", f"has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+        vocab = len(self.tokenizer)
+        if any(not 0 <= token < vocab for token in ids):
+            raise InvalidRequest("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_text(self, field: str, text: str) -> None:
+        """Text must be UTF-8 (no lone surrogates) and short enough to tokenize without a stall."""
+        most = self.limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        if len(text) > most:
+            raise InvalidRequest(field, f"has {len(text)} characters; the limit is {most} "
+                                        f"({self.limits.max_prompt_tokens} tokens)")
+        _check_utf8(field, text)
+
+    def _check_stop(self, stop: list[str]) -> None:
+        """Stop strings are capped in number and length: text is held back while it could still
+        become one, so a very long stop string would hold back the whole stream."""
+        if len(stop) > self.limits.max_stop_strings:
+            raise InvalidRequest("stop", f"has {len(stop)} strings; the limit is {self.limits.max_stop_strings}")
+        for index, text in enumerate(stop):
+            if not text:
+                raise InvalidRequest(f"stop[{index}]", "stop strings must be non-empty")
+            if len(text) > self.limits.max_stop_string_chars:
+                raise InvalidRequest(f"stop[{index}]", f"has {len(text)} characters; the limit is "
+                                                       f"{self.limits.max_stop_string_chars}")
+            _check_utf8(f"stop[{index}]", text)
+
+    def _lookahead(self, speculation: SpeculationOptions) -> LookaheadConfig:
+        updates = {}
+        if speculation.lookahead is not None:
+            updates["policy"] = speculation.lookahead
+        if speculation.num_speculative_tokens is not None:
+            updates["num_speculative_tokens"] = speculation.num_speculative_tokens
+        if speculation.confidence_threshold is not None:
+            updates["confidence_threshold"] = speculation.confidence_threshold
+        return self.default_lookahead.model_copy(update=updates)
+
+    def build_request(self, options: RequestOptions, request_id: str | None = None) -> GenerationRequest:
+        max_new_tokens = options.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
+        if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"must be in [1, {self.limits.max_new_tokens}]")
+        sampling = _checked(SamplingParams, options.temperature, options.top_k, options.top_p, options.seed)
+        penalties = _checked(Penalties, options.presence_penalty, options.frequency_penalty, options.repetition_penalty)
+        method = options.speculation.method
+        if method not in ("default", "off", "none", self.method):
+            raise InvalidRequest("speculation.method", f"this deployment drafts with {self.method!r}; use it, 'default' or 'off'")
+        self._check_stop(options.stop)
+        request = GenerationRequest(
+            request_id or uuid.uuid4().hex, self._prompt_ids(options), sampling, max_new_tokens,
+            list(options.stop), speculate=method not in ("off", "none") and self.method != "none",
+            lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
+            logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
+        )
+        try:
+            self.engine.validate(request)  # the engine's own limits (context window, vocabulary)
+        except ValueError as error:
+            raise InvalidRequest("prompt", str(error)) from None
+        return request
+
+    def build_samples(self, options: RequestOptions, request_id: str) -> Samples:
+        """The engine requests behind a call's `n` choices (the best `n` of `best_of` when more).
+
+        A greedy call is deterministic, so its `n` choices are copies of one request's output (as
+        vLLM's are). Sampled requests are independent: with a seed s, request i is seeded s + i, so
+        the first choice is what the same call with n = 1 returns.
+        """
+        n, best_of = options.n, options.best_of or options.n
+        if best_of < n:
+            raise InvalidRequest("best_of", f"must be at least n ({n})")
+        if best_of > self.limits.max_n:
+            raise InvalidRequest("n" if options.best_of is None else "best_of", f"must be at most {self.limits.max_n}")
+        if best_of > n and options.logprobs is None:  # ranking needs each sample's log-probability
+            options = options.model_copy(update={"logprobs": 0})
+        first = self.build_request(options, request_id)
+        if first.sampling.greedy or best_of == 1:
+            return Samples([first], n)
+        seed = first.sampling.seed
+        return Samples([replace(first, request_id=f"{request_id}-{i}",
+                                sampling=replace(first.sampling, seed=None if seed is None else seed + i))
+                        for i in range(best_of)], n)
+
+    def _grammar(self, structured: StructuredOutput | None) -> CompiledGrammar | None:
+        if structured is None:
+            return None
+        if structured.kind != "json_object" and not structured.value:
+            raise InvalidRequest("structured_output", f"{structured.kind} needs its {structured.kind.replace('_', ' ')}")
+        if len(structured.value or "") > self.limits.max_grammar_chars:
+            raise InvalidRequest("structured_output", f"has {len(structured.value)} characters; the limit is "
+                                                      f"{self.limits.max_grammar_chars}")
+        try:
+            return self.grammars.compile(GrammarSpec(structured.kind, structured.value))
+        except ValueError as error:
+            raise InvalidRequest("structured_output", str(error)) from None
+
+    grammar_cache_size: int = CACHE_SIZE
+    """Distinct structured-output specs whose compiled grammar (or refusal) is kept, per served model."""
+    _grammars_lock = threading.Lock()
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output specs for the target's tokenizer (built on the first that asks).
+        Requests are built on worker threads, so two may ask at once: both get the same compiler."""
+        with RequestBuilder._grammars_lock:
+            if "grammars" not in self.__dict__:
+                engine = self.engine
+                self.__dict__["grammars"] = GrammarCompiler(
+                    self.tokenizer, engine.vocab_size or len(self.tokenizer), engine.eos_token_ids,
+                    self.grammar_cache_size)
+            return self.__dict__["grammars"]
+
+    @cached_property
+    def token_strings(self) -> TokenStrings:
+        """Token texts and bytes for log-probabilities (built on the first request that wants them)."""
+        return TokenStrings(self.tokenizer)
+
+    @staticmethod
+    def parse_options(payload: dict) -> RequestOptions:
+        """RequestOptions from a dict, with pydantic's complaint turned into InvalidRequest(field)."""
+        try:
+            return RequestOptions.model_validate(payload)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "request"
+            raise InvalidRequest(field, first["msg"]) from None
+
+
+def _checked(make, *args):
+    """`make(*args)`, whose ValueError names the field first, as InvalidRequest naming that field."""
+    try:
+        return make(*args)
+    except ValueError as error:
+        raise InvalidRequest(str(error).split(" ")[0], str(error)) from None

@@ -1,0 +1,230 @@
+"""GET /health, and requests built off the event loop: a grammar that takes long to compile holds up
+its own request only, on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods
+called without Ray)."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from fastapi import FastAPI
+
+from actors.model.loader import load_tokenizer
+from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.loop import EngineLoop
+from cluster.serve.app import SpecServer
+from cluster.serve.models import ServedModels
+from cluster.serve.openai_api import build_openai_router
+from cluster.serve.service import ServiceLimits, SpecService
+from protos import specserve_pb2 as pb
+from speculators.lookahead import LookaheadConfig
+from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.serve.uvicorn_server import uvicorn_server
+from tests.conftest import tiny_pair
+
+pytestmark = pytest.mark.default_model
+
+API_KEY = "test-key"
+MODEL_ID = "tiny-llama"
+PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
+COMPILE_HELD_S = 15
+"""How long the slow compile waits to be released: a front end that compiles on the event loop
+stalls the other streams this long, and the tests below see it."""
+
+
+@dataclass
+class Served:
+    service: SpecService
+    loop: EngineLoop
+    port: int
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path):
+    """A tiny random Llama with the default model's tokenizer, served by uvicorn on a free port."""
+    tokenizer = load_tokenizer(default_model_path)
+    model, _ = tiny_pair(dtype=torch.float64, vocab_size=len(tokenizer))
+    engine = local_engine(model, tokenizer, PromptLookupProposer(), SchedulerConfig(max_len=512))
+    loop = EngineLoop(engine, "health-test-engine")
+    service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
+    app = FastAPI()
+    app.include_router(build_openai_router(lambda: ServedModels([service])))
+    with uvicorn_server(app, "health-test-server") as port:
+        yield Served(service, loop, port)
+    loop.stop()
+
+
+def get(served: Served, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    try:
+        connection.request("GET", path)  # no Authorization header
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+# ---- /health -----------------------------------------------------------------------------------
+
+
+def test_health_is_ok_without_an_api_key(served):
+    assert get(served, "/health") == (200, {"status": "ok"})
+
+
+def test_health_is_unavailable_while_an_engine_loop_is_dead(served, monkeypatch):
+    monkeypatch.setattr(EngineLoop, "alive", property(lambda loop: False))
+    status, body = get(served, "/health")
+    assert (status, body["status"]) == (503, "unavailable")
+    assert body["reason"] == "1 of 1 engine loops stopped"
+    monkeypatch.undo()
+    assert get(served, "/health") == (200, {"status": "ok"})
+
+
+def test_health_is_unavailable_before_the_replica_serves():
+    def not_yet():
+        raise RuntimeError("no replica context")
+
+    app = FastAPI()
+    app.include_router(build_openai_router(not_yet))
+    with uvicorn_server(app, "health-not-serving") as port:
+        status, body = get(Served(None, None, port), "/health")
+    assert (status, body["status"]) == (503, "unavailable") and "no replica context" in body["reason"]
+
+
+# ---- a slow grammar compile holds up its own request only --------------------------------------
+
+
+class HeldCompile:
+    """Replaces the service's grammar compiler for one test: compiling waits until released."""
+
+    def __init__(self, service: SpecService, monkeypatch):
+        self.entered, self.released, self.returned = threading.Event(), threading.Event(), threading.Event()
+        compiler = service.grammars
+        real = compiler._compile
+
+        def held(spec):
+            self.entered.set()
+            self.released.wait(COMPILE_HELD_S)
+            try:
+                return real(spec)
+            finally:
+                self.returned.set()
+
+        monkeypatch.setattr(compiler, "_compile", held)
+
+    def wait_until_compiling(self) -> None:
+        assert self.entered.wait(30), "the structured-output request never reached its compile"
+
+
+def sse_lines(response: http.client.HTTPResponse):
+    """The data of each server-sent event, as it comes."""
+    while line := response.readline():
+        if line.startswith(b"data: "):
+            yield line[6:].strip()
+
+
+def open_stream(served: Served, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200
+    return connection, response
+
+
+def test_http_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
+    held = HeldCompile(served.service, monkeypatch)
+    plain = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True,
+             "speculation": {"method": "off"}}
+    connection, running = open_stream(served, plain)  # a stream under way before the slow request comes
+    events = sse_lines(running)
+    assert next(events) != b"[DONE]"
+    result = {}
+
+    def constrained():  # a spec no other test compiles, so the compiler's cache does not have it
+        status, body = 0, b""
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+            connection.request("POST", "/v1/completions", json.dumps(
+                {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                 "structured_outputs": {"regex": "(held|http){1,3}"}}),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            response = connection.getresponse()
+            status, body = response.status, response.read()
+        finally:
+            result["constrained"] = (status, body)
+
+    slow = threading.Thread(target=constrained)
+    slow.start()
+    try:
+        held.wait_until_compiling()
+        rest = list(events)  # the running stream goes on to its end
+        connection.close()
+        assert rest[-1] == b"[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+        fresh_connection, fresh = open_stream(served, plain | {"max_tokens": 8})  # and a new one runs whole
+        assert list(sse_lines(fresh))[-1] == b"[DONE]"
+        fresh_connection.close()
+        assert not held.returned.is_set(), "the streams waited for the compile"
+    finally:
+        held.released.set()
+        slow.join(60)
+    status, body = result["constrained"]
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+class GrpcContext:
+    """What SpecServer's methods use of a grpc.aio context: the API key, and the status it sets."""
+
+    code = None
+
+    def invocation_metadata(self):
+        return [("authorization", API_KEY)]
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def set_trailing_metadata(self, metadata):
+        pass
+
+
+def test_grpc_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
+    """SpecServer's gRPC methods, called as Serve's gRPC proxy calls them (no Ray here)."""
+    held = HeldCompile(served.service, monkeypatch)
+    servable = next(cls for cls in SpecServer.func_or_class.__mro__ if "_request" in vars(cls))  # not Serve's wrapper
+    server = object.__new__(servable)  # no __init__: the replica's models only
+    server.models = ServedModels([served.service])
+    context = GrpcContext()
+    plain = pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(max_new_tokens=200),
+                               speculation=pb.Speculation(method="off"))
+    constrained = pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(max_new_tokens=4),
+                                     structured_output=pb.StructuredOutput(kind="regex", value="(held|grpc){1,3}"))
+
+    async def scenario():
+        running = server.GenerateStream(plain, context)
+        first = await anext(running)
+        assert first.token_ids and not first.finish_reason
+        slow = asyncio.ensure_future(server.Generate(constrained, context))
+        await asyncio.to_thread(held.wait_until_compiling)
+        rest = [chunk async for chunk in running]  # the running stream goes on to its end
+        fresh = [chunk async for chunk in server.GenerateStream(plain, context)]  # and a new one runs whole
+        compiling = not held.returned.is_set()
+        held.released.set()
+        return rest, fresh, compiling, await slow
+
+    try:
+        rest, fresh, compiling, answer = asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        held.released.set()
+    assert rest[-1].finish_reason in ("stop", "length") and fresh[-1].finish_reason in ("stop", "length")
+    assert compiling, "the streams waited for the compile"
+    assert answer.finish_reason in ("stop", "length") and answer.token_ids and context.code is None
