@@ -29,10 +29,12 @@ bench: setup
 
 # HTTP on 8000 (OpenAI-compatible), gRPC on 9000, Prometheus metrics on $(METRICS_PORT); Ctrl-C stops
 # it all. A local Ray head is started first so that the metrics port is fixed; token auth is off
-# for this single-machine cluster (Ray 2.60 turns it on for new clusters).
+# for this single-machine cluster (Ray 2.60 turns it on for new clusters). Ray runs its workers at
+# nice 15, so any other busy process on the machine (a load generator, a build) would take the CPU
+# from the model; here the model is the machine's job, so workers run at the usual priority.
 METRICS_PORT ?= 8080
 serve: setup
-	@export RAY_AUTH_MODE=disabled; \
+	@export RAY_AUTH_MODE=disabled RAY_worker_niceness=0; \
 	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
 		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
 	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT INT TERM; \

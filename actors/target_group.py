@@ -88,7 +88,7 @@ class TargetShard:
         decoder = load_model(path, getattr(torch, dtype), self.device, ShardPlan(self.rank, self.world_size), comm,
                              attention_backend)
         if build_drafter is not None:
-            self.drafter = ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder)))
+            self.drafter = ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder), learn_in_background=True))
             hidden_layers, hidden_dtype = self.drafter.hidden_spec()
         self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs, hidden_layers,
                                    getattr(torch, hidden_dtype))

@@ -43,9 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "must not reuse questions the suffix index has learned)")
     parser.add_argument("--concurrency", type=comma_list(), default=["1", "4", "16", "32"],
                         help="requests in flight, comma separated levels")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of both settings per level")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of both settings per level (a round takes max(2N, 4) new questions: two rounds "
+                             "of 1, 4, 16 and 32 in flight use 216 of the 240)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="max_tokens of every request")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="a request taking longer fails the run")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON report; a .md table is written next to it (default: ./serve-bench-<time>.json)")
 

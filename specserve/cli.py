@@ -9,25 +9,24 @@ import argparse
 import copy
 import json
 import sys
-import uuid
 from typing import get_args
 
 from pydantic import ValidationError
 
-from cluster.engine.build import add_engine_arguments, build_engine, encode_prompt, engine_config_from_args
+from cluster.engine.build import add_engine_arguments, build_engine, engine_config_from_args
 from cluster.engine.config import EngineConfig, Method
-from cluster.engine.request import GenerationRequest
+from cluster.serve.requests import RequestBuilder, RequestOptions
 from speculators.sampling import SamplingParams
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # refused before loading
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # refused before loading the model
     config = engine_config_from_args(args, args.method)
     engine, tokenizer = build_engine(config)
-    request = GenerationRequest(
-        uuid.uuid4().hex, encode_prompt(tokenizer, args.prompt, args.chat), sampling,
-        args.max_new_tokens, args.stop or [], args.method != "none",
-    )
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    options = RequestOptions(**prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
+    request = RequestBuilder.in_process(engine, tokenizer, config).build_request(options)
     output = engine.generate([request])[0]
     stats = output.stats
     summary = {
@@ -109,7 +108,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, fuzz, grammar_engines, ray_overhead, soak, specbench
+    from bench import cluster_bench, cost_curve, fuzz, grammar_engines, ray_overhead, serve_bench, soak, specbench
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -152,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
     lossless.add_arguments(proof)
     proof.set_defaults(func=lossless.run)
+    served = bench_sub.add_parser("serve", help="a running app through its HTTP API: speculation as deployed against "
+                                  "speculation off, 1 to 32 requests in flight", formatter_class=defaults)
+    serve_bench.add_arguments(served)
+    served.set_defaults(func=serve_bench.run)
     grammars = bench_sub.add_parser("grammar-engines", help="xgrammar against llguidance: compile, mask and rollback "
                                     "times for structured output", formatter_class=defaults)
     grammar_engines.add_arguments(grammars)

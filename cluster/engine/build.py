@@ -63,7 +63,8 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
 def suffix_proposer(config: EngineConfig) -> SuffixProposer:
     return SuffixProposer(config.suffix_decoding_max_tree_depth, max_spec_factor=config.suffix_decoding_max_spec_factor,
                           min_token_prob=config.suffix_decoding_min_token_prob,
-                          max_cached_tokens=config.suffix_decoding_max_cached_tokens)
+                          max_cached_tokens=config.suffix_decoding_max_cached_tokens,
+                          max_cached_bytes=config.suffix_decoding_max_cached_bytes)
 
 
 def local_engine(

@@ -98,7 +98,12 @@ class EngineConfig(SchedulerConfig):
     suffix_decoding_min_token_prob: float = Field(
         suffix.MIN_TOKEN_PROB, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
     suffix_decoding_max_cached_tokens: int = Field(
-        suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor (oldest evicted)")
+        suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor, all "
+        "cache scopes together (oldest evicted)")
+    suffix_decoding_max_cached_bytes: int | None = Field(
+        suffix.MAX_CACHED_BYTES, ge=1 << 16, description="suffix decoding: memory of the index of earlier outputs per draft "
+        "actor, all cache scopes together, in bytes as estimated from its parts (oldest outputs evicted; ~440 bytes per "
+        "learned token on Spec-Bench text, so the token bound binds first at the defaults); null: the token bound alone")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
     device: str = Field("cpu", description="torch device of the model")
     cpu_threads: int | None = Field(

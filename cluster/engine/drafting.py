@@ -34,7 +34,8 @@ def draft_requests(states: Sequence[ActiveRequest], config: SchedulerConfig,
         if depth > 0 and nodes > 0:
             drafts.append(DraftRequest(request.request_id, list(state.tokens), depth, nodes,
                                        state.policy.confidence_threshold, request.sampling,
-                                       penalties=request.penalties, prompt_length=len(request.prompt_ids)))
+                                       penalties=request.penalties, prompt_length=len(request.prompt_ids),
+                                       cache_scope=request.cache_scope))
     return drafts
 
 

@@ -31,6 +31,11 @@ class GenerationRequest:
     """Alternatives wanted at each output position (0: the chosen token's log-probability only); None: none."""
     grammar: CompiledGrammar | None = None
     """What the output must match (structured output); None: anything."""
+    cache_scope: str | None = ""
+    """Whose earlier outputs suffix decoding may draft from, and under which scope this request's
+    output is learned: the same scope only ("": one scope for everyone, as in-process runs have;
+    the server gives each tenant its own, cluster/serve/requests.py). None: nothing shared (only the
+    request's own text is matched, and its output is not learned)."""
 
 
 @dataclass

@@ -409,9 +409,11 @@ class SpecEngine:
         self._hidden.drop(state.request_id)
         if notify_target:
             _tell(self.target, "finish", state.request_id)
-        completed = [state.output] if state.finish_reason in ("stop", "length") and state.output else []
+        scope = state.request.cache_scope
+        completed = [state.output] if state.finish_reason in ("stop", "length") and state.output \
+            and scope is not None else []
         for drafter, sent in zip(self.drafters, self._sent):
-            _tell(drafter, "release", [state.request_id], completed)
+            _tell(drafter, "release", [state.request_id], completed, [scope] * len(completed))
             sent.forget([state.request_id])
         return state.final_output()
 

@@ -73,7 +73,8 @@ class SpecCluster:
             shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * spec.num_target_groups})
             builder = functools.partial(_build_in_draft_actor, shared)
             self.drafters = [
-                RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(builder))
+                RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(
+                    builder, learn_in_background=True))  # finished outputs learned between propose calls
                 for i in range(spec.draft_actor_count)
             ]
             self._hidden_spec = self.drafters[0].submit("hidden_spec").result() if self.drafters else ((), "float32")

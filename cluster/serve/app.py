@@ -32,6 +32,7 @@ from cluster.serve.grpc_api import (
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
+from cluster.serve.requests import TENANT_HEADER
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
@@ -227,7 +228,10 @@ class SpecServer:
         self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
         service = self.models.resolve(message.model)
-        return service, await asyncio.to_thread(lambda: service.build_request(options_from(message)))
+        options = options_from(message)
+        options.tenant = service.tenant(metadata_value(grpc_context, "authorization"),
+                                        metadata_value(grpc_context, TENANT_HEADER))  # suffix decoding's cache scope
+        return service, await asyncio.to_thread(service.build_request, options)
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:

@@ -1,5 +1,8 @@
-"""What one replica accepts: request sizes, concurrency, deadlines and the API key."""
+"""What one replica accepts: request sizes, concurrency, deadlines, the API key, and whose earlier
+outputs a request may draft from (suffix decoding's cache scope, see requests.py)."""
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -27,6 +30,17 @@ class ServiceLimits(BaseModel):
     api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
     api_key_file: str | None = Field(
         None, description="path of a file holding the API key (a mounted Kubernetes Secret)")
+    cache_sharing: Literal["tenant", "global", "request"] = Field(
+        "tenant", description="whose earlier outputs suffix decoding drafts from (drafted and accepted counts "
+        "would otherwise tell a client whether a text appeared in others' outputs): tenant (outputs of the same "
+        "tenant, as tenant_from identifies it; a request without one shares nothing), global (everyone's), or "
+        "request (none: only the request's own text)")
+    tenant_from: Literal["api_key", "header", "user"] = Field(
+        "api_key", description="cache_sharing tenant: what identifies a tenant: api_key (a hash of the API key the "
+        "client presented, never the key; on a server without a key, of whatever bearer token it sent), header "
+        "(the 'x-specserve-tenant' HTTP header or gRPC metadata, set by a trusted gateway), or user (the OpenAI "
+        "body's 'user' field). header and user are client-controlled unless a gateway in front sets or checks them: "
+        "choose them only then")
 
     def resolved_api_key(self) -> SecretStr | None:
         """The key from whichever source is configured; a named source that is missing is an error,

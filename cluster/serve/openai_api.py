@@ -175,7 +175,7 @@ async def _complete(served: ServedModels, request: Request, chat: bool) -> Respo
     body = await request.body()
     # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
     # event loop: a worker thread of the loop's (bounded) default executor does it
-    call = await asyncio.to_thread(parse_call, body, served, chat, request_id)
+    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers)
     service = call.service
     strings = service.token_strings if call.logprobs else None
     shape = ResponseShape(("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), service.model_id, chat, strings)

@@ -9,12 +9,14 @@ lists every field and how it is served.
 # no `from __future__ import annotations`: FastAPI must see real classes after Serve pickles the routes
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cluster.engine.request import GenerationOutput
 from cluster.engine.stats import mean_accepted_tokens
 from cluster.serve.models import ServedModels
 from cluster.serve.openai_logprobs import chat_logprobs, completion_logprobs
+from cluster.serve.requests import TENANT_HEADER
 from cluster.serve.samples import Samples
 from cluster.serve.service import InvalidRequest, SpecService
 from cluster.serve.token_strings import TokenStrings
@@ -229,7 +231,8 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
                     "structured_output": structure_name}
 
 
-def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str) -> Call:
+def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str,
+               headers: Mapping[str, str] | None = None) -> Call:
     """The request a body asks for, checked field by field (InvalidRequest names the wire field;
     ModelNotFound names a model that is not served). It tokenizes the prompt and compiles any
     grammar, so the routes call it on a worker thread, not on the event loop."""
@@ -238,6 +241,8 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     stream, include_usage = _flag(body, "stream"), _include_usage(body)
     fields, renames = _options(body, chat, service)
+    headers = headers or {}  # who sent it: the cache scope of suffix decoding (limits.cache_sharing)
+    fields["tenant"] = service.tenant(headers.get("authorization"), headers.get(TENANT_HEADER), body.get("user"))
     try:
         samples = service.build_samples(service.parse_options(fields), request_id)
     except InvalidRequest as error:

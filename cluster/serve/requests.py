@@ -8,6 +8,7 @@ may draft, and `speculation.method: off` is the one way to opt out.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
 from dataclasses import replace
@@ -29,6 +30,8 @@ from speculators.sampling import SamplingParams
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
+TENANT_HEADER = "x-specserve-tenant"
+"""The HTTP header (gRPC metadata key) naming a request's tenant, read only with `limits.tenant_from` header."""
 
 
 class InvalidRequest(ValueError):
@@ -93,6 +96,10 @@ class RequestOptions(BaseModel):
     best_of: int | None = Field(None, ge=1)
     structured_output: StructuredOutput | None = None
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
+    tenant: str | None = None
+    """Who sent the request, as the front end identified them (`RequestBuilder.tenant`, never a body
+    field): with `limits.cache_sharing` tenant, the request drafts only from its tenant's earlier
+    outputs. None: unknown (such a request shares nothing)."""
 
 
 def _check_utf8(field: str, text: str) -> None:
@@ -117,7 +124,35 @@ class RequestBuilder:
         service's rules, with the whole context window as the prompt and output limits."""
         window = config.max_len - 1
         return cls(engine, tokenizer, config.model, config.method, config.lookahead,
-                   ServiceLimits(max_prompt_tokens=window, max_new_tokens=window))
+                   ServiceLimits(max_prompt_tokens=window, max_new_tokens=window, cache_sharing="global"))
+
+    def tenant(self, authorization: str | None = None, header: str | None = None, user: object = None) -> str | None:
+        """Who sent a request, as `limits.tenant_from` identifies tenants, from the credential presented
+        (HTTP `Authorization`, gRPC metadata `authorization`), the TENANT_HEADER and the OpenAI body's
+        `user`: a hash naming its source, never the key or value itself; None when that source is
+        empty. Front ends put it in RequestOptions.tenant."""
+        source = self.limits.tenant_from
+        if source == "api_key":
+            value = (authorization or "").removeprefix("Bearer ").strip()
+        elif source == "header":
+            value = (header or "").strip()
+        else:
+            if user is not None and not isinstance(user, str):
+                raise InvalidRequest("user", "must be a string")
+            value = (user or "").strip()
+        if not value:
+            return None
+        digest = hashlib.sha256(f"specserve tenant\0{source}\0{value}".encode(errors="replace")).hexdigest()
+        return f"{source}:{digest[:32]}"
+
+    def _cache_scope(self, tenant: str | None) -> str | None:
+        """GenerationRequest.cache_scope under `limits.cache_sharing`."""
+        sharing = self.limits.cache_sharing
+        if sharing == "global":
+            return ""
+        if sharing == "request" or not tenant:
+            return None
+        return "tenant:" + tenant
 
     def _prompt_ids(self, options: RequestOptions) -> list[int]:
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(options, name) not in (None, [], "")]
@@ -194,6 +229,7 @@ class RequestBuilder:
             list(options.stop), speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
             logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
+            cache_scope=self._cache_scope(options.tenant),
         )
         try:
             self.engine.validate(request)  # the engine's own limits (context window, vocabulary)

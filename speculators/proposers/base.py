@@ -7,7 +7,7 @@ to the accepted prefix in `on_accept`. Model-based drafters talk to their networ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -43,6 +43,9 @@ class DraftRequest:
     does at the same node, so its drafts are likely under the penalised target."""
     prompt_length: int = 0
     """Where the output begins in the request's sequence (penalties count output tokens)."""
+    cache_scope: str | None = ""
+    """Whose earlier outputs this request may draft from: those learned under the same scope (a
+    tenant's, or "" for everyone's); None: none, only the request's own text."""
 
 
 class Proposer(ABC):
@@ -68,8 +71,15 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:
         """The request finished or was cancelled: free its state."""
 
-    def learn(self, output_ids: Sequence[int]) -> None:
-        """A finished request's output (from any target group), for proposers that learn across requests."""
+    def learn(self, output_ids: Sequence[int], scope: str | None = "") -> None:
+        """A finished request's output (from any target group), for proposers that learn across
+        requests; only requests of the same cache `scope` may draft from it (None: none may)."""
+
+    def learn_steps(self, output_ids: Sequence[int], scope: str | None = "") -> Iterator[None]:
+        """`learn` in short steps, yielding between them: a caller may run this proposer's other
+        calls between two steps (never during one). By default, one step."""
+        self.learn(output_ids, scope)
+        yield
 
 
 @dataclass

@@ -15,7 +15,7 @@ pass but paid ~2.7 ms a pass for head calls that drafted nothing).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from speculators.hidden import PendingHidden
@@ -73,6 +73,10 @@ class HybridProposer(Proposer):
         self.head.release(request_id)
         self._waiting.take(request_id)
 
-    def learn(self, output_ids: Sequence[int]) -> None:
-        self.suffix.learn(output_ids)
-        self.head.learn(output_ids)
+    def learn(self, output_ids: Sequence[int], scope: str | None = "") -> None:
+        self.suffix.learn(output_ids, scope)
+        self.head.learn(output_ids, scope)
+
+    def learn_steps(self, output_ids: Sequence[int], scope: str | None = "") -> Iterator[None]:
+        yield from self.suffix.learn_steps(output_ids, scope)
+        yield from self.head.learn_steps(output_ids, scope)

@@ -21,7 +21,10 @@ def expected(tiny_model_dir):
 
 
 SPECULATE = LookaheadConfig(policy="fixed", num_speculative_tokens=4)
-"""Chosen per request, so the tiny draft drafts whatever the planner would make of its cost."""
+"""Four tokens ahead: with the planner off (UNPLANNED), what every step drafts."""
+UNPLANNED = {"step_token_budget": 64}
+"""EngineConfig fields that turn the planner off by configuration, so trees are verified as drafted:
+these tests check drafting through actors, not what pays at this machine's measured cost."""
 
 
 def requests(prefix="r", max_new_tokens=NEW_TOKENS):

@@ -16,6 +16,7 @@ from cluster.serve.requests import RequestBuilder, RequestOptions, StructuredOut
 from speculators.heads.checkpoint import save_eagle3, save_medusa
 from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
+from tests.cluster.runtime.cluster_requests import UNPLANNED
 from tests.conftest import IdTokenizer
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
@@ -54,7 +55,7 @@ def run_cluster(spec: ClusterSpec, prefix: str):
 @pytest.mark.parametrize("method,width", [("eagle3", 2), ("medusa", 1)], ids=["eagle3-tree", "medusa"])
 def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method, width):
     engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
-                          draft_width=width, max_sequences=4, max_len=256)
+                          draft_width=width, max_sequences=4, max_len=256, **UNPLANNED)
     outputs, _, layers = run_cluster(ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=1), method)
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.stats.accepted for o in outputs) > 0
@@ -64,7 +65,7 @@ def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_d
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
 def test_a_head_colocated_with_its_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method):
     engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
-                          max_sequences=4, max_len=256)
+                          max_sequences=4, max_len=256, **UNPLANNED)
     spec = ClusterSpec(engine=engine, num_draft_actors=3, colocate_drafter=True)
     assert spec.draft_actor_count == 0 and spec.total_gpus() == 1
     outputs, drafters, layers = run_cluster(spec, "c" + method)

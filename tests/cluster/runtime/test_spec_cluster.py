@@ -13,14 +13,14 @@ from cluster.engine.build import local_engine
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
-from tests.cluster.runtime.cluster_requests import NEW_TOKENS, PROMPTS, expected, requests  # noqa: F401  (fixture)
+from tests.cluster.runtime.cluster_requests import NEW_TOKENS, PROMPTS, UNPLANNED, expected, requests  # noqa: F401  (fixture)
 from tests.conftest import IdTokenizer
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_four_gpus, tiny_model_dir):
     engine = EngineConfig(model=str(tiny_model_dir), method="draft", draft="layer-skip:2", draft_width=2,
-                          max_sequences=4, max_len=256, pipeline=True)
+                          max_sequences=4, max_len=256, pipeline=True, **UNPLANNED)
     spec = ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=2)
     cluster = SpecCluster(spec).start()
     yield cluster
