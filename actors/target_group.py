@@ -20,7 +20,7 @@ from actors.draft_worker import DraftWorker
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
-from actors.model.threads import MODEL_PROCESS_ENV, available_cores, use_cores
+from actors.model.threads import available_cores, use_cores
 from actors.model.sharding import Communicator, ShardPlan
 from actors.target_worker import RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
@@ -269,8 +269,7 @@ def _default_options() -> dict[str, Any]:
     asks for a CPU competes with everything else for the node's few CPU slots)."""
     import ray
 
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    return {"num_cpus": 0, "num_gpus": gpus, "runtime_env": {"env_vars": dict(MODEL_PROCESS_ENV)}}
+    return {"num_cpus": 0, "num_gpus": 1} if ray.cluster_resources().get("GPU", 0) > 0 else {"num_cpus": 0}
 
 
 def _free_port() -> int:

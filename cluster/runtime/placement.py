@@ -27,7 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.model.threads import MODEL_PROCESS_ENV
 from cluster.engine.config import EngineConfig
 
 Bundle = dict[str, float]
@@ -123,14 +122,13 @@ def _bundle(gpus: float, cpus: float) -> Bundle:
     return bundle or {"CPU": MIN_BUNDLE_CPU}
 
 
-def actor_options(bundle: Bundle) -> dict:
-    """`.options()` kwargs asking exactly what the bundle holds, for an actor that runs a model.
+def actor_options(bundle: Bundle) -> dict[str, float]:
+    """`.options()` kwargs asking exactly what the bundle holds.
 
     Both keys are always given: an actor that leaves num_cpus unset asks for 1 CPU, which does not fit
-    a GPU-only bundle. The environment keeps OpenMP's idle threads asleep (actors/model/threads.py).
+    a GPU-only bundle.
     """
-    return {"num_gpus": bundle.get("GPU", 0.0), "num_cpus": bundle.get("CPU", 0.0),
-            "runtime_env": {"env_vars": dict(MODEL_PROCESS_ENV)}}
+    return {"num_gpus": bundle.get("GPU", 0.0), "num_cpus": bundle.get("CPU", 0.0)}
 
 
 @dataclass

@@ -102,9 +102,8 @@ def test_bundles_and_actor_options():
     spec = ClusterSpec(tensor_parallel_size=2, gpus_per_target_shard=1, gpus_per_draft_actor=0, cpus_per_actor=0)
     assert spec.target_bundles() == [{"GPU": 1}, {"GPU": 1}]
     assert spec.draft_bundles() == [{"CPU": 0.01}]  # Ray refuses a bundle asking for nothing
-    env = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
-    assert actor_options({"GPU": 1}) == {"num_gpus": 1, "num_cpus": 0.0, "runtime_env": env}
-    assert actor_options({"CPU": 0.01}) == {"num_gpus": 0.0, "num_cpus": 0.01, "runtime_env": env}
+    assert actor_options({"GPU": 1}) == {"num_gpus": 1, "num_cpus": 0.0}
+    assert actor_options({"CPU": 0.01}) == {"num_gpus": 0.0, "num_cpus": 0.01}
 
 
 def test_a_target_group_no_node_can_hold_is_refused():
