@@ -20,14 +20,12 @@ import torch
 from actors.model.heads import resolve_head
 from actors.model.loader import DEFAULT_MODEL, cache_root, load_model, load_tensors, load_tokenizer
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
-from cluster.engine.build import encode_prompt, local_engine
-from cluster.engine.config import SchedulerConfig
-from cluster.engine.request import GenerationRequest
+from cluster.engine.build import encode_prompt, recording_decoder
 from speculators.heads.checkpoint import load_head
 from speculators.train.dataset import Example, FeatureStore, work_folder
 from speculators.train.loop import TrainConfig, evaluate
 from speculators.train.objective import head_objective
-from speculators.train.recorder import AnswerRecorder, Decode, Decoder, recorded_layers
+from speculators.train.recorder import AnswerRecorder, recorded_layers
 from speculators.train.vocab import coverage
 
 HELD_OUT_ANSWERS = 60
@@ -41,19 +39,6 @@ def head_under_test(kind: str, draft: str, model: str, num_layers: int):
             module.share_target(load_tensors(model, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
         return module, module.aux_layers, module.draft_to_target
     return module, (num_layers,), module.token_map
-
-
-def engine_decoder(target, tokenizer, max_sequences: int, max_len: int) -> Decoder:
-    """The engine as `specserve train` records with it: greedy, drafting at every step."""
-    def decoder(drafter) -> Decode:
-        engine = local_engine(target, tokenizer, drafter,
-                              SchedulerConfig(max_sequences=max_sequences, max_len=max_len, min_acceptance=0.0))
-
-        def decode(prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> list[list[int]]:
-            requests = [GenerationRequest(request_id, ids, max_new_tokens=max_new_tokens) for request_id, ids in prompts]
-            return [output.token_ids for output in engine.generate(requests)]
-        return decode
-    return decoder
 
 
 def row(name: str, examples: list[Example], objective, vocabulary: torch.Tensor, vocab_size: int) -> str:
@@ -81,7 +66,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     questions = load_questions(args.questions, None, args.limit)
     prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions]
-    answers = AnswerRecorder(tuple(layers), engine_decoder(target, tokenizer, 8, max(map(len, prompts)) + args.max_new_tokens + 1))
+    answers = AnswerRecorder(tuple(layers), recording_decoder(target, tokenizer, 8, max(map(len, prompts)) + args.max_new_tokens + 1))
     examples = answers.record([(i, ids, True) for i, ids in enumerate(prompts)], args.max_new_tokens)
     steps = objective.steps
     print(f"| answers | count | {' | '.join(f'top-1 depth {d + 1}' for d in range(steps))} "

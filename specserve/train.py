@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from actors.model.loader import DEFAULT_MODEL, cache_root, load_config, load_model, load_tensors, load_tokenizer, resolve_model
-from cluster.engine.build import encode_prompt, local_engine
+from cluster.engine.build import encode_prompt, local_engine, recording_decoder
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
 from speculators.heads.checkpoint import default_aux_layers, save_eagle3, save_medusa
@@ -36,7 +36,7 @@ from speculators.train.loop import TrainConfig, train
 from speculators.train.medusa import choose_tree, new_heads
 from speculators.train.objective import head_objective
 from speculators.train.prompts import Prompt, build_prompts
-from speculators.train.recorder import AnswerRecorder, Decode, Decoder, recorded_layers
+from speculators.train.recorder import AnswerRecorder, recorded_layers
 from speculators.train.vocab import coverage, frequent_tokens
 
 GENERATION_BATCH = 32
@@ -81,20 +81,6 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     return [Prompt("self", text) for text in prompts]
 
 
-def engine_decoder(target, tokenizer, max_sequences: int, max_len: int) -> Decoder:
-    """The project's engine, in this process, as an `AnswerRecorder` decodes: greedy, with the
-    recorder as drafter, drafting at every step so every pass's rows reach it."""
-    def decoder(drafter) -> Decode:
-        config = SchedulerConfig(max_sequences=max_sequences, max_len=max_len, min_acceptance=0.0)
-        engine = local_engine(target, tokenizer, drafter, config)
-
-        def decode(prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> list[list[int]]:
-            requests = [GenerationRequest(request_id, ids, max_new_tokens=max_new_tokens) for request_id, ids in prompts]
-            return [output.token_ids for output in engine.generate(requests)]
-        return decode
-    return decoder
-
-
 def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
                   max_prompt_tokens: int = 1024, device: str = "cpu", self_prompts: int = 0, log=print) -> FeatureStore:
     """The target's greedy answers to the prompt set and to `self_prompts` prompts it writes itself,
@@ -103,7 +89,7 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     store = FeatureStore(folder, recorded_layers(target.config.num_layers))
     done = store.recorded()
     tokenizer = load_tokenizer(model)
-    answers = AnswerRecorder(store.layers, engine_decoder(target, tokenizer, max_sequences,
+    answers = AnswerRecorder(store.layers, recording_decoder(target, tokenizer, max_sequences,
                                                           max_prompt_tokens + max_new_tokens + 1))
     numbered = list(enumerate(build_prompts(count)))
     if self_prompts:

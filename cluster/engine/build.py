@@ -17,6 +17,7 @@ from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
 from cluster.engine.config import HEAD_METHODS, EngineConfig, SchedulerConfig
 from cluster.engine.cost import CostCurve, cache_key, measure as measure_cost
+from cluster.engine.request import GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.base import Proposer
@@ -24,6 +25,7 @@ from speculators.proposers.draft_model import DraftModelProposer
 from speculators.proposers.hybrid import HybridProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.proposers.suffix import SuffixProposer
+from speculators.train.recorder import Decode, Decoder
 
 
 def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> Proposer | None:
@@ -91,6 +93,20 @@ def local_engine(
         curve = cost if isinstance(cost, CostCurve) else measure_cost(worker, config.max_sequences, config.max_len, cost_key)
     return SpecEngine(worker, tokenizer, drafters, config, eos, vocab_size=target.config.vocab_size, cost=curve,
                       costly_drafter=proposer is not None and proposer.runs_a_model)
+
+
+def recording_decoder(target, tokenizer, max_sequences: int, max_len: int) -> Decoder:
+    """The engine, in this process, as an `AnswerRecorder` decodes (`specserve train`, bench/head_transfer.py):
+    greedy, with the recorder as drafter, drafting at every step so every pass's rows reach it."""
+    def decoder(drafter) -> Decode:
+        config = SchedulerConfig(max_sequences=max_sequences, max_len=max_len, min_acceptance=0.0)
+        engine = local_engine(target, tokenizer, drafter, config)
+
+        def decode(prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> list[list[int]]:
+            requests = [GenerationRequest(request_id, ids, max_new_tokens=max_new_tokens) for request_id, ids in prompts]
+            return [output.token_ids for output in engine.generate(requests)]
+        return decode
+    return decoder
 
 
 def cost_key_of(config: EngineConfig, tensor_parallel_size: int = 1) -> str:

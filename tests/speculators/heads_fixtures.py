@@ -93,11 +93,11 @@ def tiny_training_data(model, prompts: int = 128, new_tokens: int = 32, seed: in
     import random
 
     from speculators.train.recorder import AnswerRecorder
-    from specserve.train import engine_decoder
+    from cluster.engine.build import recording_decoder
     from tests.conftest import IdTokenizer
 
     rng = random.Random(seed)
-    answers = AnswerRecorder((*AUX, LAYERS), engine_decoder(model, IdTokenizer(), 8, 128), dtype=model.dtype)
+    answers = AnswerRecorder((*AUX, LAYERS), recording_decoder(model, IdTokenizer(), 8, 128), dtype=model.dtype)
     prompts = [(index, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))], index % 8 == 0)
                for index in range(prompts)]
     return answers.record(prompts, new_tokens)
