@@ -13,6 +13,7 @@ from actors.model.llama import LlamaDecoder, layer_skip_draft
 from actors.model.heads import head_proposer, resolve_head
 from actors.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from actors.model.runner import ModelRunner
+from actors.model.threads import available_cores
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
 from cluster.engine.config import HEAD_METHODS, EngineConfig, SchedulerConfig
@@ -110,8 +111,11 @@ def recording_decoder(target, tokenizer, max_sequences: int, max_len: int) -> De
 
 
 def cost_key_of(config: EngineConfig, tensor_parallel_size: int = 1) -> str:
-    """The cost-curve cache key of a target as this config runs it."""
-    return cache_key(resolve_model(config.model).resolve(), config.dtype, config.device, tensor_parallel_size)
+    """The cost-curve cache key of a target as this config runs it: the shapes measured follow
+    `max_sequences`, and a pass's time the threads each rank computes on (actors/model/threads.py)."""
+    threads = config.cpu_threads or max(1, available_cores() // tensor_parallel_size)
+    return cache_key(resolve_model(config.model).resolve(), config.dtype, config.device, tensor_parallel_size,
+                     config.max_sequences, threads)
 
 
 def build_engine(config: EngineConfig) -> tuple[SpecEngine, PreTrainedTokenizerBase]:
