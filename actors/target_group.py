@@ -26,7 +26,6 @@ from actors.target_worker import RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
 from speculators.sampling import SamplingParams
-from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
 
 

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.openai_stream import stream_chat
-from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, comma_list, command_line, load_questions, machine
+from bench.specbench import DEFAULT_QUESTIONS, comma_list, command_line, load_questions, machine
 
 REQUESTS_PER_SLOT, MIN_REQUESTS = 2, 4
 SETTINGS = {"speculative": {}, "plain": {"speculation": {"method": "off"}}}

@@ -7,7 +7,6 @@ import asyncio
 import http.client
 import json
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
