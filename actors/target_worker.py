@@ -59,7 +59,7 @@ class TargetWorker:
             if len(prompt) >= self.max_len:
                 raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
             self.runner.add(seq_id)
-            generator = None if sampling.greedy else sampling.generator(VERIFY_SALT, self.model.device)
+            generator = None if sampling.greedy or sampling.keyed else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
         first_of: dict[tuple[int, ...], str] = {}
         for seq_id, prompt, _ in requests:
@@ -111,7 +111,9 @@ class TargetWorker:
         try:
             if self._wanted(seq_id, shaping) == "argmax":
                 return verify_greedy(tree, scores.tolist())
-            result = verify(tree, scores if shaping is None else shaping.apply(tree, scores), *self._sampling[seq_id])
+            sampling, generator = self._sampling[seq_id]
+            shaped = scores if shaping is None else shaping.apply(tree, scores)
+            result = verify(tree, shaped, sampling, generator, position=self.runner.committed_length(seq_id) + 1)
             if shaping is not None and shaping.logprobs is not None:
                 result.logprobs = committed_logprobs(scores, result.accepted_nodes, result.new_tokens, shaping.logprobs)
             return result

@@ -30,6 +30,7 @@ from bench.greedy_agreement import decode, divergence_at, measure_agreement, ora
 from bench.gpu_models import RandomModel, Shape, build, save
 from speculators.proposers.base import DraftRequest, TreeInput
 from speculators.proposers.draft_model import DraftModelProposer
+from speculators.keyed import keyed_sample, keyed_uniform
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
 from speculators.verify import verify
@@ -160,7 +161,7 @@ def greedy_losslessness(ctx: Context) -> dict:
 
 def _verifier_first_tokens(ctx: Context, p: torch.Tensor, q: torch.Tensor, trials: int) -> torch.Tensor:
     """How often each token comes first out of the sampled verifier, for one drafted child of q."""
-    params = SamplingParams(temperature=1.0, seed=0)
+    params = SamplingParams(temperature=1.0, seed=0, rule="rejection")
     verify_generator = params.generator(0, ctx.device)
     draft_generator = torch.Generator().manual_seed(1)
     logits = p.log().expand(2, -1)
@@ -173,7 +174,7 @@ def _verifier_first_tokens(ctx: Context, p: torch.Tensor, q: torch.Tensor, trial
 
 
 def sampling_with_a_device_generator(ctx: Context) -> dict:
-    """The sampled verifier on the device with a device generator and draft rows from the CPU:
+    """The rejection rule (unseeded requests; seeded here to repeat). The sampled verifier on the device with a device generator and draft rows from the CPU:
     its first tokens follow the target's p (chi-square); then a draft model and the target on the
     same device draft and verify a sampled request end to end."""
     from scipy.stats import chisquare
@@ -187,7 +188,7 @@ def sampling_with_a_device_generator(ctx: Context) -> dict:
     target, draft = ctx.model("1b").decoder, ctx.model("draft").decoder
     worker = TargetWorker(target, 1, 256)
     proposer = DraftModelProposer(ModelRunner(draft, 1, 256), width=2)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3, rule="rejection")
     tokens = ctx.prompt(16)
     worker.start([("sampled", tokens, sampling)])
     tree_devices = set()
@@ -201,6 +202,41 @@ def sampling_with_a_device_generator(ctx: Context) -> dict:
     return {"pass": passed, "chi_square_pvalue": pvalue, "trials": int(counts.sum()),
             "generator_device": str(SamplingParams(1.0, seed=0).generator(0, ctx.device).device),
             "draft_probs_devices": sorted(tree_devices), "tokens_generated": len(tokens) - 16}
+
+
+def keyed_sampling_on_the_device(ctx: Context) -> dict:
+    """Seeded requests' keyed noise made on the device (integer hash ops, no generator, no host
+    round trip) is bit for bit the CPU's; its samples follow p (chi-square over seeds); and a
+    draft model's sampled tree verified on the device gives plain decoding's tokens."""
+    from scipy.stats import chisquare
+
+    same_noise = bool(torch.equal(keyed_uniform(7, 123, 50_000, ctx.device).cpu(), keyed_uniform(7, 123, 50_000)))
+    torch.manual_seed(0)
+    p = torch.randn(12, device=ctx.device).softmax(-1).double()
+    trials = ctx.sizes.sampling_trials
+    counts = torch.bincount(torch.tensor([keyed_sample(p, seed, 5) for seed in range(trials)]), minlength=12)
+    expected = p.cpu().numpy()
+    pvalue = float(chisquare(counts.numpy(), expected / expected.sum() * trials).pvalue)
+    target, draft = ctx.model("1b").decoder, ctx.model("draft").decoder
+    sampling, prompt, new = SamplingParams(temperature=0.8, top_p=0.95, seed=3), ctx.prompt(16), 24
+    outputs = {}
+    for drafting in (False, True):
+        worker = TargetWorker(target, 1, 256)
+        proposer = DraftModelProposer(ModelRunner(draft, 1, 256), width=2)
+        tokens, accepted = list(prompt), 0
+        worker.start([("keyed", tokens, sampling)])
+        while len(tokens) < len(prompt) + new:
+            tree = (proposer.propose([DraftRequest("keyed", tokens, 3, 6, sampling=sampling)])[0] if drafting
+                    else DraftTree.root_only(tokens[-1]))
+            result = worker.verify([("keyed", tree)])[0]
+            tokens, accepted = tokens + result.new_tokens, accepted + len(result.accepted_tokens)
+            proposer.on_accept("keyed", tokens)
+        worker.finish("keyed")
+        outputs[drafting] = (tokens[len(prompt):len(prompt) + new], accepted)
+    identical = outputs[True][0] == outputs[False][0]
+    return {"pass": same_noise and pvalue > 1e-4 and identical, "noise_equals_cpu": same_noise,
+            "chi_square_pvalue": pvalue, "trials": trials, "identical_to_plain": identical,
+            "drafted_tokens_accepted": outputs[True][1]}
 
 
 def verification_cost(ctx: Context) -> dict:
@@ -373,6 +409,7 @@ CHECKS: dict[str, Callable[[Context], dict]] = {
     "logits_vs_transformers": logits_vs_transformers,
     "greedy_losslessness": greedy_losslessness,
     "sampling_with_a_device_generator": sampling_with_a_device_generator,
+    "keyed_sampling_on_the_device": keyed_sampling_on_the_device,
     "verification_cost": verification_cost,
     "tokens_per_second": tokens_per_second,
     "draft_step": draft_step,

@@ -18,6 +18,7 @@ import shlex
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import zip_longest
 from pathlib import Path
@@ -76,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tasks or categories, comma separated (tasks: {', '.join(TASKS)})")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON report; a .md table is written next to it (default bench/results/specbench-<time>.json)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (Spec-Bench: 0, greedy)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of every sampled request (same seed, same text: speculation cannot change it); "
+                             "a variant '+rule=rejection' samples with the rule unseeded requests get instead")
     parser.add_argument("--no-chat", action="store_true",
                         help="tokenize the raw question instead of applying the chat template (Spec-Bench applies it)")
 
@@ -110,7 +116,8 @@ def load_questions(path: Path, tasks: list[str] | None = None, limit: int | None
 
 def method_variant(name: str) -> tuple[str, dict[str, str]]:
     """'eagle3+draft_width=4+lookahead.policy=fixed' -> ('eagle3', {'draft_width': '4', ...}): a method
-    with engine options of its own, so variants of one method run side by side in one run."""
+    with engine options of its own, so variants of one method run side by side in one run. 'rule' is
+    the sampling rule of its requests (SamplingParams.rule), not an engine option."""
     method, *settings = name.split("+")
     overrides = {}
     for setting in settings:
@@ -126,7 +133,7 @@ def variant_config(args: argparse.Namespace, name: str):
     method, overrides = method_variant(name)
     config = engine_config_from_args(args, method)
     lookahead = {k.removeprefix("lookahead."): v for k, v in overrides.items() if k.startswith("lookahead.")}
-    top = {k: v for k, v in overrides.items() if not k.startswith("lookahead.")}
+    top = {k: v for k, v in overrides.items() if not k.startswith("lookahead.") and k != "rule"}
     return type(config).model_validate({**config.model_dump(), **top,
                                         "lookahead": {**config.lookahead.model_dump(), **lookahead}})
 
@@ -137,9 +144,13 @@ def engine_runner(args: argparse.Namespace, name: str):
     engine, tokenizer = build_engine(config)
 
     requests = RequestBuilder.in_process(engine, tokenizer, config)
+    rule = method_variant(name)[1].get("rule")
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        request = requests.build_request(RequestOptions(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens))
+        request = requests.build_request(RequestOptions(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                        temperature=args.temperature, seed=args.seed))
+        if rule is not None:
+            request.sampling = replace(request.sampling, rule=rule)
         output = engine.generate([request])[0]
         return Generation(output.token_ids, output.finish_reason, output.stats.target_forwards)
 
@@ -309,11 +320,13 @@ def markdown(report: dict) -> str:
     lines += [f"- {name}: {note}" for name, note in report["notes"].items()]
     groups = [(task, {name: m["tasks"].get(task) for name, m in methods.items()}) for task in tasks]
     groups.append(("overall", {name: m["overall"] for name, m in methods.items()}))
+    sampled = report["config"].get("temperature", 0) > 0
+    match = f"same text as plain (seed {report['config'].get('seed')})" if sampled else "greedy match"
     for title, summaries in groups:
         rows = {name: row for name, row in summaries.items() if row and row["questions"]}
         count = max((row["questions"] for row in rows.values()), default=0)
         lines += ["", f"## {title} ({count} question{'s' * (count != 1)})", "",
-                  "| method | tokens/s | speedup vs plain | speedup vs own plain | mean accepted tokens | greedy match |",
+                  f"| method | tokens/s | speedup vs plain | speedup vs own plain | mean accepted tokens | {match} |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name, row in rows.items():
             own = f"{_cell(row['speedup_vs_own_plain'], '.2f')}x ({methods[name]['baseline']})"

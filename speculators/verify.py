@@ -2,7 +2,9 @@
 
 Pure functions over a DraftTree and the target's logits at every tree node (row i = the target's
 next-token logits after node i). Greedy keeps the longest path whose every token is the target's
-argmax. Sampling walks from the root with recursive rejection sampling: child x of a node is
+argmax. The keyed rule (seeded requests, speculators.keyed) does the same with the token the
+target samples at each position from noise keyed by the seed and the position: the output is the
+target's own sample whatever was drafted. Otherwise sampling walks from the root with recursive rejection sampling: child x of a node is
 accepted with probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)) and q
 loses x (siblings were drawn without replacement), and the next sibling is tried; when every child
 fails, the token is drawn from what is left of p. At a leaf the bonus token is drawn from p.
@@ -11,11 +13,12 @@ without-replacement form).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from speculators.keyed import keyed_sample
 from speculators.logprobs import TokenLogprob
 from speculators.sampling import SamplingParams, warp
 from speculators.tree import DraftTree
@@ -45,25 +48,43 @@ def verify(
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    position: int = 0,
 ) -> VerifyResult:
+    """`generator`: the request's random stream (the rejection rule); `position`: the index in the
+    sequence of the token sampled after the root (the keyed rule)."""
     if target_logits.shape[0] != tree.size:
         raise ValueError(f"need target logits for all {tree.size} nodes, got {target_logits.shape[0]}")
     if params.greedy:
         return verify_greedy(tree, target_logits.argmax(-1).tolist())
+    if params.keyed:
+        return verify_keyed(tree, warp(target_logits, params), params.seed, position)
     return verify_sampled(tree, warp(target_logits, params), generator)
+
+
+def _walk(tree: DraftTree, choice: Callable[[int, int], int]) -> VerifyResult:
+    """Follow the children whose token is the target's own choice (`choice(node, depth)`) from the
+    root; the first choice no child matches is the token the target adds."""
+    node, path = 0, [0]
+    while True:
+        token = choice(node, len(path) - 1)
+        match = next((kid for kid in tree.children[node] if tree.token_ids[kid] == token), None)
+        if match is None:
+            return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], token)
+        node = match
+        path.append(node)
 
 
 def verify_greedy(tree: DraftTree, best: Sequence[int]) -> VerifyResult:
     """Greedy verification needs only the target's choice at each node (`best[i]`: the argmax after
     node i), which a tensor-parallel target finds without gathering full-vocabulary rows."""
-    node, path = 0, [0]
-    while True:
-        match = next((kid for kid in tree.children[node] if tree.token_ids[kid] == best[node]), None)
-        if match is None:
-            break
-        node = match
-        path.append(node)
-    return VerifyResult(path, [tree.token_ids[n] for n in path[1:]], best[node])
+    return _walk(tree, lambda node, depth: best[node])
+
+
+def verify_keyed(tree: DraftTree, target_probs: torch.Tensor, seed: int, position: int) -> VerifyResult:
+    """A drafted token is kept exactly when it is the target's keyed sample at its position; the
+    first sample no child matches is the recovered (or bonus) token. For a drafter without
+    probabilities a token is kept with probability p(token), as under rejection sampling."""
+    return _walk(tree, lambda node, depth: keyed_sample(target_probs[node], seed, position + depth))
 
 
 def _normalized(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,14 @@ class Case:
     planned: bool = False
     """In process, with the planner on over PLANNER_COST (on Ray it is always on, over the
     measured curve): trees are cut to what pays, or not drafted at all."""
+    rule: str = "rejection"
+    """The sampling rule of its requests (SamplingParams.rule; every request carries a seed, so
+    that a case draws the same samples on every run). 'keyed' cases also run the same requests
+    with speculation off and must give identical sequences."""
+
+    @property
+    def keyed(self) -> bool:
+        return self.rule == "keyed"
 
 
 DRAFTERS = {
@@ -178,5 +186,26 @@ CASES = [
     Case("ray-tp2-eagle3-tree", "eagle3", engine=TREE, deployment=Deployment(ray=True, tensor_parallel_size=2)),
     Case("ray-draft-actors-pipelined", "draft", engine={**TREE, "pipeline": True},
          deployment=Deployment(ray=True, draft_actors=2)),
+]
+KEYED = dict(rule="keyed")
+CASES += [
+    # the keyed rule (seeded requests): every drafter, the planner, shaping, batching, pipelining, Ray
+    Case("keyed-pld-tree", "pld-tree", **KEYED),
+    Case("keyed-suffix-tree", "suffix", **KEYED),
+    Case("keyed-draft-tree", "draft", engine=TREE, **KEYED),
+    Case("keyed-layer-skip-chain", "layer-skip", **KEYED),
+    Case("keyed-eagle3-tree", "eagle3", engine=TREE, **KEYED),
+    Case("keyed-medusa-tree", "medusa", **KEYED),
+    Case("keyed-suffix-eagle3-chain", "suffix-eagle3", **KEYED),
+    Case("keyed-draft-tree-planned", "draft", planned=True, lookahead=CONFIDENCE, engine=TREE, **KEYED),
+    Case("keyed-pld-tree-grammar-penalties", "pld-tree", groups=(
+        RequestGroup(SamplingParams(0.8), penalties=PENALTIES, rule=ALTERNATION, share=0.9),
+        RequestGroup(GREEDY, penalties=PENALTIES, rule=ALTERNATION, share=0.1)), **KEYED),
+    Case("keyed-mixed-batch-draft-tree", "draft", groups=_mixed_batch(), engine={"draft_width": 2}, **KEYED),
+    Case("keyed-draft-tree-pipelined", "draft", engine={**TREE, "pipeline": True}, **KEYED),
+    Case("keyed-ray-tp2-eagle3-tree", "eagle3", engine=TREE, deployment=Deployment(ray=True, tensor_parallel_size=2),
+         **KEYED),
+    Case("keyed-ray-draft-actors-pipelined", "draft", engine={**TREE, "pipeline": True},
+         deployment=Deployment(ray=True, draft_actors=2), **KEYED),
 ]
 CASES_BY_NAME = {case.name: case for case in CASES}

@@ -1,8 +1,9 @@
 """Negative controls: verifiers with a deliberate mistake, which the cases they concern must fail.
 
-Each mistake replaces one named step of speculators.verify (or of speculators.shaping) for the
-duration of a run (in this process: the controls run on in-process engines), so the real
-verifier's code stays as it is and a control breaks exactly one rule.
+Each mistake replaces one named step of speculators.verify (or of speculators.shaping or
+speculators.keyed) for the duration of a run (in this process: the controls run on in-process
+engines), so the real verifier's code stays as it is and a control breaks exactly one rule. A
+fresh copy of the mistake is applied to each run of the engine (its state, if any, starts anew).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from unittest import mock
 
 import torch
 
-from speculators import shaping, verify
+from speculators import keyed, shaping, verify
 from speculators.tree import DraftTree
 
 
@@ -39,20 +40,39 @@ def _paths_ignored(tree: DraftTree) -> list[list[int]]:
     return [[] for _ in range(tree.size)]
 
 
+def _keyed_by_step(tree: DraftTree, target_probs: torch.Tensor, seed: int, position: int):
+    """Every token of a verification pass sampled with the noise of the pass's first position."""
+    return verify._walk(tree, lambda node, depth: keyed.keyed_sample(target_probs[node], seed, position))
+
+
+def _keyed_by_draw_count() -> Callable:
+    """Noise keyed by how many noise vectors the request drew so far (drafter and verifier alike, as
+    one random stream per request would be) instead of by position."""
+    real, draws = keyed.keyed_exponential, {}
+
+    def faulty(seed: int, position: int, size: int, device="cpu") -> torch.Tensor:
+        draws[seed] = draws.get(seed, -1) + 1
+        return real(seed, draws[seed], size, device)
+
+    return faulty
+
+
 @dataclass(frozen=True)
 class Control:
     name: str
     replaces: dict[str, Callable]
-    """Function name in `module` -> the faulty version."""
+    """Function name in `module` -> the faulty version, or a maker of it (`made`)."""
     cases: tuple[str, ...]
     """The cases whose trees the mistake touches: each must fail under it."""
     module: ModuleType = verify
+    made: bool = False
+    """`replaces` holds makers: each application gets a fresh faulty function (one with state)."""
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         with ExitStack() as stack:
             for name, faulty in self.replaces.items():
-                stack.enter_context(mock.patch.object(self.module, name, faulty))
+                stack.enter_context(mock.patch.object(self.module, name, faulty() if self.made else faulty))
             yield
 
 
@@ -65,4 +85,8 @@ CONTROLS = [
             ("pld-chain", "draft-chain", "layer-skip-chain")),
     Control("penalties at every tree node counted without the drafted tokens above it", {"path_tokens": _paths_ignored},
             ("pld-tree-penalties", "draft-tree-penalties"), shaping),
+    Control("keyed noise of a pass's first position used for all its tokens", {"verify_keyed": _keyed_by_step},
+            ("keyed-pld-tree", "keyed-draft-tree")),
+    Control("keyed noise by draw count instead of position", {"keyed_exponential": _keyed_by_draw_count},
+            ("keyed-draft-tree", "keyed-eagle3-tree"), keyed, made=True),
 ]

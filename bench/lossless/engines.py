@@ -1,15 +1,17 @@
 """Runs a case's requests through the real engine, in this process or on a Ray cluster, and counts
-the sequences they produced.
+the sequences they produced. Requests are built by the service's RequestBuilder, as a client's are.
 
 Each request is seeded on its own (its index in the case), so a case draws the same samples on
-every run and a faulty verifier is tried on the very seeds the real one passed.
+every run and a faulty verifier is tried on the very seeds the real one passed. A keyed case runs
+its requests a second time with speculation off, in the same deployment, and counts the requests
+whose sequences differ.
 """
 from __future__ import annotations
 
 import itertools
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,8 +23,9 @@ from bench.lossless.target import VOCAB, TinyModels
 from cluster.engine.build import build_proposer, local_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.cost import CostCurve, CostPoint
-from cluster.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.serve.requests import RequestBuilder, RequestOptions, SpeculationOptions, StructuredOutput
+from speculators.penalties import Penalties
 
 BATCH = 512
 """Requests decoded at once (KV cache slots)."""
@@ -30,6 +33,8 @@ CHUNK = 2 * BATCH
 """Requests handed to the engine at a time: twice the batch, so requests join mid-flight, and few
 enough that the engine's duplicate-id check over its queue stays cheap."""
 MAX_TREE_NODES = 16
+FIXED_BUDGET = BATCH * MAX_TREE_NODES
+"""A step budget that verifies every tree as drafted (the planner off)."""
 RAY_TIMEOUT_S = 3600
 PLANNER_COST = CostCurve([CostPoint(t, 1, 1.0 + 0.1 * t ** 0.5 * (t > 1)) for t in (1, 2, 4, 8, 16, 32, 64)]
                          + [CostPoint(4 * s, s, 1.0 + 0.4 * s) for s in (2, 4, 8)])
@@ -47,6 +52,8 @@ class CaseRun:
     """Steps in which the drafted token at depth d + 1 was accepted, over all requests."""
     tokens: int
     target_forwards: int
+    differ_from_plain: int | None = None
+    """Keyed cases: requests whose sequence differs from the same request's with speculation off."""
 
 
 PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir"}
@@ -54,45 +61,57 @@ PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<m
 
 
 def engine_config(case: Case, models: TinyModels) -> EngineConfig:
+    """On Ray the planner is on, over the cost curve the cluster measures (as served); in this
+    process a fixed budget, or PLANNER_COST for the planned cases."""
     drafter = {key: str(getattr(models, PLACEHOLDERS[value])) if value in PLACEHOLDERS else value
                for key, value in DRAFTERS[case.drafter].items()}
-    return EngineConfig(
-        model=str(models.target_dir), max_sequences=BATCH, max_len=32, max_tree_nodes=MAX_TREE_NODES,
-        step_token_budget=BATCH * MAX_TREE_NODES, lookahead=case.lookahead, **drafter, **case.engine,
-    )
+    return EngineConfig(**{
+        "model": str(models.target_dir), "max_sequences": BATCH, "max_len": 32, "max_tree_nodes": MAX_TREE_NODES,
+        "step_token_budget": None if case.deployment.ray else FIXED_BUDGET, "lookahead": case.lookahead,
+        **drafter, **case.engine,
+    })
 
 
-def requests(case: Case, samples: int, models: TinyModels) -> list[tuple[int, GenerationRequest]]:
-    """(group index, request) for `samples` requests, the groups interleaved so every batch mixes them."""
-    grammars = group_grammars(case, models)
+def requests(case: Case, samples: int, builder: RequestBuilder, plain: bool = False) -> list[tuple[int, GenerationRequest]]:
+    """(group index, request) for `samples` requests, the groups interleaved so every batch mixes
+    them; with `plain`, the same requests with speculation off."""
     seed_base = zlib.crc32(case.name.encode()) * 1_000_000
     counts = [round(samples * group.share) for group in case.groups]
     order = sorted((i / count, g) for g, count in enumerate(counts) for i in range(count))
-    return [(g, _request(f"{case.name}-{i}", case.groups[g], seed_base + i, grammars[g])) for i, (_, g) in enumerate(order)]
+    return [(g, _request(builder, f"{case.name}-{i}{'-plain' * plain}", case.groups[g], seed_base + i, case.rule, plain))
+            for i, (_, g) in enumerate(order)]
 
 
-def group_grammars(case: Case, models: TinyModels) -> list[CompiledGrammar | None]:
-    """Each request group's grammar (its rule as a regular expression) compiled for the tiny
-    tokenizer by the grammar engine the service uses; None for groups without one."""
-    if all(group.rule is None for group in case.groups):
-        return [None] * len(case.groups)
-    compiler = GrammarCompiler(load_tokenizer(models.target_dir), VOCAB, [])
-    return [None if group.rule is None else compiler.compile(GrammarSpec("regex", group.rule.regex()))
-            for group in case.groups]
+def _request(builder: RequestBuilder, request_id: str, group: RequestGroup, seed: int, rule: str,
+             plain: bool) -> GenerationRequest:
+    """Built as the service builds a client's request (the group's grammar as a regular expression
+    over the tiny tokenizer's texts, compiled by the service's grammar engine). The rule is set
+    after: the service keys every seeded request, and the rejection cases stand for unseeded
+    requests, seeded here so that a case draws the same samples on every run."""
+    penalties = group.penalties or Penalties()
+    options = RequestOptions(
+        prompt_token_ids=list(group.prompt), max_new_tokens=group.new_tokens, temperature=group.sampling.temperature,
+        top_k=group.sampling.top_k, top_p=group.sampling.top_p, seed=seed, presence_penalty=penalties.presence,
+        frequency_penalty=penalties.frequency, repetition_penalty=penalties.repetition,
+        structured_output=None if group.rule is None else StructuredOutput(kind="regex", value=group.rule.regex()),
+        speculation=SpeculationOptions(method="off" if plain else "default"))
+    request = builder.build_request(options, request_id)
+    request.sampling = replace(request.sampling, rule=rule)
+    return request
 
 
-def _request(request_id: str, group: RequestGroup, seed: int, grammar: CompiledGrammar | None) -> GenerationRequest:
-    return GenerationRequest(request_id, list(group.prompt), replace(group.sampling, seed=seed), group.new_tokens,
-                             penalties=group.penalties, grammar=grammar)
-
-
-def run_case(case: Case, models: TinyModels, samples: int) -> CaseRun:
-    batch = requests(case, samples, models)
+def run_case(case: Case, models: TinyModels, samples: int,
+             fault: Callable[[], AbstractContextManager] = nullcontext) -> CaseRun:
+    """`fault`: a negative control, entered around each run of the engine (a fresh one each time)."""
     deployment = on_ray if case.deployment.ray else in_process
-    outputs = []
-    with deployment(case, models) as generate:
-        for start in range(0, len(batch), CHUNK):
-            outputs += generate([request for _, request in batch[start:start + CHUNK]])
+    with deployment(case, models) as (generate, builder):
+        batch = requests(case, samples, builder)
+        with fault():
+            outputs = _in_chunks(generate, [request for _, request in batch])
+        plain = None
+        if case.keyed:
+            with fault():
+                plain = _in_chunks(generate, [request for _, request in requests(case, samples, builder, plain=True)])
     counts = [np.zeros((VOCAB,) * group.new_tokens, dtype=np.int64) for group in case.groups]
     for (group, request), output in zip(batch, outputs):
         if len(output.token_ids) != case.groups[group].new_tokens:
@@ -100,34 +119,44 @@ def run_case(case: Case, models: TinyModels, samples: int) -> CaseRun:
         counts[group][tuple(output.token_ids)] += 1
     stats = [output.stats for output in outputs]
     by_depth = [sum(column) for column in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)]
+    differ = None if plain is None else sum(o.token_ids != p.token_ids for o, p in zip(outputs, plain))
     return CaseRun(counts, sum(s.drafted for s in stats), by_depth, sum(len(o.token_ids) for o in outputs),
-                   sum(s.target_forwards for s in stats))
+                   sum(s.target_forwards for s in stats), differ)
+
+
+def _in_chunks(generate: Generate, batch: list[GenerationRequest]) -> list[GenerationOutput]:
+    outputs = []
+    for start in range(0, len(batch), CHUNK):
+        outputs += generate(batch[start:start + CHUNK])
+    return outputs
 
 
 @contextmanager
-def in_process(case: Case, models: TinyModels) -> Iterator[Generate]:
+def in_process(case: Case, models: TinyModels) -> Iterator[tuple[Generate, RequestBuilder]]:
     """An engine in this process over the float64 target; its worker threads stop on exit."""
     config = engine_config(case, models)
-    target = load_model(models.target_dir, torch.float64)
-    engine = local_engine(target, load_tokenizer(models.target_dir), build_proposer(config, target), config,
+    target, tokenizer = load_model(models.target_dir, torch.float64), load_tokenizer(models.target_dir)
+    engine = local_engine(target, tokenizer, build_proposer(config, target), config,
                           cost=PLANNER_COST if case.planned else False)
     try:
-        yield engine.generate
+        yield engine.generate, RequestBuilder.in_process(engine, tokenizer, config)
     finally:
         for worker in [engine.target, *engine.drafters]:
             worker.shutdown()
 
 
 @contextmanager
-def on_ray(case: Case, models: TinyModels) -> Iterator[Generate]:
+def on_ray(case: Case, models: TinyModels) -> Iterator[tuple[Generate, RequestBuilder]]:
     """A SpecCluster: float32 target shards and draft actors on (fake) GPUs. Ray must be running."""
     from cluster.runtime.placement import ClusterSpec
     from cluster.runtime.spec_cluster import SpecCluster
 
-    spec = ClusterSpec(engine=engine_config(case, models), tensor_parallel_size=case.deployment.tensor_parallel_size,
+    config = engine_config(case, models)
+    spec = ClusterSpec(engine=config, tensor_parallel_size=case.deployment.tensor_parallel_size,
                        num_draft_actors=case.deployment.draft_actors)
     cluster = SpecCluster(spec).start()
     try:
-        yield lambda batch: cluster.generate(batch, timeout_s=RAY_TIMEOUT_S)
+        builder = RequestBuilder.in_process(cluster.loops[0].engine, load_tokenizer(models.target_dir), config)
+        yield (lambda batch: cluster.generate(batch, timeout_s=RAY_TIMEOUT_S)), builder
     finally:
         cluster.shutdown()

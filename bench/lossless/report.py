@@ -37,16 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-gpus", type=int, default=4, help="GPUs Ray pretends to have, for the Ray cases")
 
 
-def sample_case(case: Case, models: TinyModels, samples: int) -> tuple[list[GroupSample], dict]:
-    """The case's samples per request group, and what the engine did while drawing them."""
+def sample_case(case: Case, models: TinyModels, samples: int,
+                control: Control | None = None) -> tuple[list[GroupSample], dict]:
+    """The case's samples per request group, and what the engine did while drawing them (under
+    `control`'s mistake, when given)."""
     began = time.perf_counter()
-    run = run_case(case, models, samples)
+    run = run_case(case, models, samples, *(() if control is None else (control.applied,)))
     groups = [GroupSample(counts, models.distribution(group.prompt, group.sampling, group.new_tokens,
                                                       group.penalties, group.rule))
               for counts, group in zip(run.counts, case.groups)]
     speculation = {"seconds": round(time.perf_counter() - began, 1), "drafted": run.drafted,
                    "accepted": sum(run.accepted_by_depth), "accepted_by_depth": run.accepted_by_depth,
-                   "mean_accepted_tokens": round(mean_accepted_tokens(run.tokens, run.target_forwards), 3)}
+                   "mean_accepted_tokens": round(mean_accepted_tokens(run.tokens, run.target_forwards), 3),
+                   "differ_from_plain": run.differ_from_plain}
     return groups, speculation
 
 
@@ -54,13 +57,18 @@ def case_record(case: Case, verdict: Verdict, speculation: dict) -> dict:
     return {
         "name": case.name, "samples": verdict.samples, "statistic": round(verdict.statistic, 2),
         "p_value": verdict.p_value, "detectable_shift": _rounded(verdict.detectable_shift),
-        "passed": verdict.passed, "core": case.core, "df": verdict.df, "p_sequences": verdict.p_sequences,
+        "passed": case_passed(verdict, speculation), "core": case.core, "df": verdict.df, "p_sequences": verdict.p_sequences,
         "p_conditionals": verdict.p_conditionals, "conditionals_tested": verdict.conditionals,
         "worst_conditional": verdict.worst_conditional, "impossible_samples": verdict.impossible,
         "detectable_shift_by_depth": [_rounded(s) for s in verdict.detectable_shift_by_depth],
         "deployment": "ray" if case.deployment.ray else "in-process",
         "tensor_parallel_size": case.deployment.tensor_parallel_size, **speculation,
     }
+
+
+def case_passed(verdict: Verdict, speculation: dict) -> bool:
+    """The sample follows the target and, for a keyed case, every sequence is plain decoding's."""
+    return verdict.passed and not speculation["differ_from_plain"]
 
 
 def _rounded(value: float | None) -> float | None:
@@ -75,12 +83,12 @@ def power_check(case: Case, groups: list[GroupSample]) -> dict:
 def control_record(control: Control, cases: list[Case], models: TinyModels, samples: int) -> dict:
     tried = []
     for case in cases:
-        with control.applied():
-            groups, _ = sample_case(case, models, samples)
+        groups, speculation = sample_case(case, models, samples, control)
         verdict = judge(groups)
         tried.append({"case": case.name, "samples": verdict.samples, "p_value": verdict.p_value,
-                      "caught": not verdict.passed})
-        log(f"  control '{control.name}' on {case.name}: p = {verdict.p_value:.3g}")
+                      "differ_from_plain": speculation["differ_from_plain"], "caught": not case_passed(verdict, speculation)})
+        log(f"  control '{control.name}' on {case.name}: p = {verdict.p_value:.3g}, "
+            f"{speculation['differ_from_plain']} differ from plain decoding")
     return {"name": control.name, "caught": bool(tried) and all(t["caught"] for t in tried), "cases": tried}
 
 
@@ -105,19 +113,27 @@ def markdown(report: dict) -> str:
              f"{report['date']}; " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()), "",
              f"Alpha {report['alpha']} per case; detectable shift = mass moved between the two likeliest first tokens "
              f"that the case detects with probability {report['power']} (by depth: at the likeliest prefix).", "",
-             "| case | samples | X^2 | df | p | detectable shift | by depth | mean accepted tokens | passed |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+             "Keyed cases (seeded requests, noise keyed by seed and position) also ran every request with "
+             "speculation off: 'differ' counts the sequences that were not plain decoding's (must be 0).", "",
+             "| case | samples | X^2 | df | p | detectable shift | by depth | mean accepted tokens | differ | passed |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for c in report["cases"]:
         lines.append(f"| {c['name']}{' (core)' * c['core']} | {c['samples']} | {c['statistic']} | {c['df']} "
                      f"| {c['p_value']:.3g} | {c['detectable_shift']} | {c['detectable_shift_by_depth']} "
-                     f"| {c['mean_accepted_tokens']} | {c['passed']} |")
+                     f"| {c['mean_accepted_tokens']} | {_dash(c.get('differ_from_plain'))} | {c['passed']} |")
     lines += ["", "| negative control | cases (p) | caught |", "|---|---|---|"]
     for control in report["negative_controls"]:
-        tried = ", ".join(f"{t['case']} ({t['p_value']:.3g})" for t in control["cases"])
+        tried = ", ".join(f"{t['case']} (p {t['p_value']:.3g}"
+                          + ("" if t.get("differ_from_plain") is None else f", {t['differ_from_plain']} differ") + ")"
+                          for t in control["cases"])
         lines.append(f"| {control['name']} | {tried} | {control['caught']} |")
     lines += ["", "| power check: 1% first-token shift | p | caught |", "|---|---:|---|"]
     lines += [f"| {check['case']} | {check['p_value']:.3g} | {check['caught']} |" for check in report["power_checks"]]
     return "\n".join(lines) + "\n"
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
 from speculators.penalties import PenaltyContext, penalize
-from speculators.sampling import draft_generator, tree_draft_probs, warp
+from speculators.sampling import DraftNoise, tree_draft_probs, warp
 from speculators.tree import DraftTree, chain_parents
 
 
@@ -54,8 +54,8 @@ class _Draft:
     scratch_of: dict[int, int] = field(default_factory=lambda: {0: -1})
     """Tree node -> its index in the draft model's scratch (TreeInput parents), for the nodes the
     draft has run. The root is already committed in the draft model, which TreeInput calls -1."""
-    generator: torch.Generator | None = None
-    """This step's random stream (sampled requests)."""
+    noise: DraftNoise | None = None
+    """This step's random draws (sampled requests)."""
 
     def penalized(self, branch: _Branch) -> torch.Tensor:
         """The branch's next-token logits under the request's penalties, counting the drafted tokens on
@@ -109,15 +109,15 @@ class DraftModelProposer(Proposer):
         root_logits = self._catch_up(requests)
         drafts = []
         for request, logits in zip(requests, root_logits):
-            generator = draft_generator(request.sampling, len(request.token_ids), logits.device)
-            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0], generator=generator)
+            noise = DraftNoise(request.sampling, len(request.token_ids), logits.device)
+            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0], noise=noise)
             if request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.open_branches = [_Branch(0, logits)]
             drafts.append(draft)
         depth = 0
         while any(d.open_branches for d in drafts):
             depth += 1
-            choices = [self._choose(draft) for draft in drafts]
+            choices = [self._choose(draft, depth) for draft in drafts]
             chosen = _to_host([c for per_draft in choices for c in per_draft])
             inputs = []
             for draft, per_draft in zip(drafts, choices):
@@ -138,9 +138,10 @@ class DraftModelProposer(Proposer):
             self._last_drafts[draft.request.request_id] = (tree, draft.scratch_of)
         return trees
 
-    def _choose(self, draft: _Draft) -> list[_Choice]:
-        """The next tokens of every open branch, on the logits' device (the root opens `width`
-        branches): the draft's top tokens (greedy requests) or tokens sampled without replacement."""
+    def _choose(self, draft: _Draft, depth: int) -> list[_Choice]:
+        """The next tokens (at tree depth `depth`) of every open branch, on the logits' device (the
+        root opens `width` branches): the draft's top tokens (greedy requests) or tokens sampled
+        without replacement."""
         request = draft.request
         choices, room = [], request.max_nodes - (len(draft.tree_tokens) - 1)
         for branch in draft.open_branches:
@@ -153,7 +154,7 @@ class DraftModelProposer(Proposer):
                 choices.append(_Choice(branch, tokens, confidence, None))
                 continue
             q = warp(draft.penalized(branch), request.sampling)
-            tokens = _sample_without_replacement(q, count, draft.generator)
+            tokens = draft.noise.draw(q, count, depth)
             choices.append(_Choice(branch, tokens, q[tokens], q))
         return choices
 
@@ -179,7 +180,7 @@ class DraftModelProposer(Proposer):
     @staticmethod
     def _tree(draft: _Draft) -> DraftTree:
         probs = None
-        if not draft.request.sampling.greedy and len(draft.tree_tokens) > 1:
+        if draft.request.sampling.rejection and len(draft.tree_tokens) > 1:
             probs = tree_draft_probs(draft.probs_rows[1:])
         return DraftTree(draft.tree_tokens, draft.tree_parents, probs, draft.confidence)
 
@@ -215,16 +216,6 @@ class DraftModelProposer(Proposer):
         if self.model.has(request_id):
             self.model.remove(request_id)
         self._last_drafts.pop(request_id, None)
-
-
-def _sample_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
-    """`count` tokens drawn from q one after another without replacement (each next draw from q
-    renormalised over the tokens not yet drawn), as the exponential race: the largest q / E with
-    E ~ Exp(1). Unlike torch.multinomial it needs no host-side count of q's support; when q has
-    fewer than `count` tokens the extra draws have q = 0 and the caller drops them. In float64, so
-    that an E rounded to zero (which would always win) is out of reach."""
-    race = torch.empty_like(q, dtype=torch.float64).exponential_(generator=generator)
-    return torch.topk(q.double() / race, count).indices
 
 
 def _to_host(choices: list[_Choice]):

@@ -30,7 +30,7 @@ import torch
 
 from speculators.heads.eagle import EagleHead, attend
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.sampling import draft_generator, mapped_warp, tree_draft_probs
+from speculators.sampling import DraftNoise, mapped_warp, tree_draft_probs
 from speculators.tree import DraftTree
 
 
@@ -80,8 +80,8 @@ class _Draft:
     scratch_nodes: list[int] = field(default_factory=list)
     scratch_keys: list[torch.Tensor] = field(default_factory=list)
     scratch_values: list[torch.Tensor] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    """This step's random stream (sampled requests)."""
+    noise: DraftNoise | None = None
+    """This step's random draws (sampled requests)."""
 
     @property
     def sampled(self) -> bool:
@@ -176,8 +176,8 @@ class EagleProposer(Proposer):
         for request in requests:
             state = self._committed[request.request_id]
             root = request.token_ids[-1]
-            generator = draft_generator(request.sampling, len(request.token_ids), self.head.fc.weight.device)
-            draft = _Draft(request, len(request.token_ids) - 2, [_Node(root, -1, 0, 1.0, 1.0)], generator=generator)
+            noise = DraftNoise(request.sampling, len(request.token_ids), self.head.fc.weight.device)
+            draft = _Draft(request, len(request.token_ids) - 2, [_Node(root, -1, 0, 1.0, 1.0)], noise=noise)
             ready = state.last_logits is not None and state.end == len(request.token_ids) - 1
             if ready and request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.out[0], draft.logits[0] = state.last_hidden, state.last_logits
@@ -241,7 +241,7 @@ class EagleProposer(Proposer):
                 count = min(count, draft.room())
             if count <= 0:
                 break
-            for token, own, q in self._choose(draft, draft.logits[parent], count):
+            for token, own, q in self._choose(draft, draft.logits[parent], count, depth):
                 draft.nodes.append(_Node(token, parent, depth, draft.nodes[parent].value * own, own, q))
                 new.append(len(draft.nodes) - 1)
         more = depth < request.num_speculative_tokens
@@ -251,8 +251,8 @@ class EagleProposer(Proposer):
         else:
             draft.frontier = open_nodes if draft.room() > 0 else []
 
-    def _choose(self, draft: _Draft, logits: torch.Tensor, count: int):
-        """(target token, the head's probability of it, q or None) of `count` children."""
+    def _choose(self, draft: _Draft, logits: torch.Tensor, count: int, depth: int):
+        """(target token, the head's probability of it, q or None) of `count` children at tree depth `depth`."""
         if not draft.sampled:
             probs = logits.softmax(-1)
             top = torch.topk(probs, count)
@@ -260,7 +260,7 @@ class EagleProposer(Proposer):
         request = draft.request
         q = mapped_warp(logits, self._target_index, self._vocab_size, request.sampling)
         count = min(count, int((q > 0).sum()))
-        tokens = torch.multinomial(q, count, replacement=False, generator=draft.generator).tolist()
+        tokens = draft.noise.draw(q, count, depth).tolist()
         return [(token, float(q[token]), q) for token in tokens]
 
     def _tree(self, draft: _Draft) -> DraftTree:
@@ -271,7 +271,7 @@ class EagleProposer(Proposer):
         index = {node: i for i, node in enumerate(keep)}
         nodes = [draft.nodes[n] for n in keep]
         probs = None
-        if draft.sampled and len(nodes) > 1:
+        if draft.request.sampling.rejection and len(nodes) > 1:
             probs = tree_draft_probs([n.q for n in nodes[1:]])
         return DraftTree([n.token for n in nodes], [-1, *(index[n.parent] for n in nodes[1:])], probs,
                          [n.own for n in nodes])

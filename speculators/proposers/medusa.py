@@ -21,7 +21,7 @@ import torch
 
 from speculators.heads.medusa import MedusaHeads
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.sampling import draft_generator, mapped_warp, tree_draft_probs
+from speculators.sampling import DraftNoise, mapped_warp, tree_draft_probs
 from speculators.tree import DraftTree
 
 DEFAULT_CHOICES = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0], [0, 0, 1], [3], [0, 2],
@@ -96,7 +96,7 @@ class MedusaProposer(Proposer):
         """The static tree filled in from the heads' logits [num_heads, draft_vocab] of one request."""
         tree = self.tree
         greedy = request.sampling.greedy
-        generator = draft_generator(request.sampling, len(request.token_ids), logits.device)
+        noise = DraftNoise(request.sampling, len(request.token_ids), logits.device)
         if greedy:
             top = torch.topk(logits.softmax(-1), max(tree.ranks) + 1, dim=-1)
             top_probs, top_tokens = top.values.tolist(), self.heads.token_map[top.indices].tolist()
@@ -115,7 +115,7 @@ class MedusaProposer(Proposer):
             else:
                 q = mapped_warp(logits[head], self.heads.token_map, self.heads.vocab_size, request.sampling)
                 count = min(len(children), int((q > 0).sum()))
-                picks = [(t, float(q[t]), q) for t in torch.multinomial(q, count, replacement=False, generator=generator).tolist()]
+                picks = [(t, float(q[t]), q) for t in noise.draw(q, count, head + 1).tolist()]
             for child, (token, own, q_row) in zip(children, picks):
                 drafted[child] = len(tokens)
                 tokens.append(token)
@@ -124,6 +124,6 @@ class MedusaProposer(Proposer):
                 rows.append(q_row)
                 queue.append(child)
         draft_probs = None
-        if not greedy and len(tokens) > 1:
+        if request.sampling.rejection and len(tokens) > 1:
             draft_probs = tree_draft_probs(rows[1:])
         return DraftTree(tokens, parents, draft_probs, confidence)

@@ -131,7 +131,7 @@ def test_a_verifier_error_reaches_every_rank_and_the_group_goes_on(model):
     """Only rank 0 runs the verifier: its error must be broadcast, or rank 1 would wait forever. It
     comes back as that request's RequestFailed (the request fails alone; the ranks' caches agree)."""
     case, groups = model
-    call(groups[2], "start", [("bad", case.prompt, SamplingParams(temperature=1.0, seed=0))])
+    call(groups[2], "start", [("bad", case.prompt, SamplingParams(temperature=1.0, seed=0, rule="rejection"))])
     malformed = DraftTree.chain(case.prompt[-1], [50], draft_probs=torch.full((2, 5), 0.2))  # 5-token q
     (failed,) = call(groups[2], "verify", [("bad", malformed)])
     assert isinstance(failed, RequestFailed) and "IndexError" in failed.reason

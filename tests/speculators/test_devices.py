@@ -14,12 +14,13 @@ from scipy.stats import chisquare
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
 from speculators.proposers.base import DraftRequest
-from speculators.proposers.draft_model import DraftModelProposer, _sample_without_replacement
-from speculators.sampling import SamplingParams
+from speculators.proposers.draft_model import DraftModelProposer
+from speculators.sampling import DraftNoise, SamplingParams
 from speculators.tree import DraftTree
 from speculators.verify import verify
 
-SAMPLED = SamplingParams(temperature=1.0, seed=7)
+SAMPLED = SamplingParams(temperature=1.0, seed=7, rule="rejection")
+"""The rule that draws from a seeded torch.Generator (keyed requests draw no generator)."""
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -81,11 +82,16 @@ def test_verification_takes_draft_probabilities_in_another_dtype_than_the_target
     assert 0 <= result.next_token < vocab
 
 
-def test_sampling_without_replacement_follows_successive_draws():
-    """First draw ~ q; second draw ~ q renormalised without the first (chi-square on both)."""
+@pytest.mark.parametrize("rule", ["rejection", "keyed"])
+def test_sampling_without_replacement_follows_successive_draws(rule):
+    """First draw ~ q; second draw ~ q renormalised without the first (chi-square on both), with a
+    stream (one per request, 8000 steps) or with keyed noise (8000 seeds)."""
     q = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([_sample_without_replacement(q, 2, generator) for _ in range(8000)])
+    if rule == "keyed":
+        draws = torch.stack([DraftNoise(SamplingParams(1.0, seed=s), 5).draw(q, 2, 1) for s in range(8000)])
+    else:
+        noise = DraftNoise(SamplingParams(1.0, seed=0, rule="rejection"), 5)
+        draws = torch.stack([noise.draw(q, 2, 1) for _ in range(8000)])
     assert bool((draws[:, 0] != draws[:, 1]).all())
     first = torch.bincount(draws[:, 0], minlength=4).double()
     assert chisquare(first.numpy(), (q * len(draws)).numpy()).pvalue > 1e-3
@@ -98,7 +104,7 @@ def test_draws_past_the_support_of_q_are_dropped_from_the_tree(tiny_model):
     """top_k=1 leaves one token with q > 0: a width-3 root gets one child, not three."""
     model, _ = tiny_model
     proposer = DraftModelProposer(ModelRunner(model, 2, 64), width=3)
-    sampling = SamplingParams(temperature=1.0, top_k=1, seed=1)
+    sampling = SamplingParams(temperature=1.0, top_k=1, seed=1, rule="rejection")
     tree = proposer.propose([DraftRequest("r", [1, 2, 3], 1, 6, sampling=sampling)])[0]
     assert tree.parents == [-1, 0]
     assert float(tree.draft_probs[1, tree.token_ids[1]]) == 1.0

@@ -86,7 +86,7 @@ def test_rows_past_a_shorter_sequence_are_dropped():
 @pytest.mark.parametrize("width", [1, 3])
 def test_sampled_drafts_carry_distributions_over_the_target_vocabulary(width):
     proposer, head = eagle(width)
-    sampling = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=3, rule="rejection")
     tree = proposer.propose([DraftRequest("a", TOKENS, 4, 12, sampling=sampling, hidden=rows(0, 9))])[0]
     check_tree(tree, 12)
     assert tree.draft_probs.shape == (tree.size, VOCAB)
@@ -124,7 +124,7 @@ def test_medusa_drafts_ranked_tokens_from_the_last_row():
 def test_medusa_sampled_children_are_drawn_without_replacement_from_their_head():
     heads = random_medusa()
     proposer = MedusaProposer(heads, LAYERS, [[0], [1], [2], [0, 0], [0, 1]])
-    sampling = SamplingParams(temperature=1.0, seed=5)
+    sampling = SamplingParams(temperature=1.0, seed=5, rule="rejection")
     tree = proposer.propose([DraftRequest("a", TOKENS, 3, 8, sampling=sampling, hidden=rows(0, 9, HIDDEN))])[0]
     assert len(tree.children[0]) == 3 and tree.draft_probs.shape == (tree.size, VOCAB)
     assert torch.equal(tree.draft_probs[1], tree.draft_probs[2])  # siblings share their head's distribution

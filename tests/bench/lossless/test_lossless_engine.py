@@ -7,13 +7,14 @@ import pytest
 
 from bench.lossless.cases import CASES, CASES_BY_NAME
 from bench.lossless.controls import CONTROLS
-from bench.lossless.report import measure, sample_case
+from bench.lossless.report import case_passed, measure, sample_case
 from bench.lossless.stats import judge
 from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture, slow test only)
 
 FAST_CASES = ["pld-tree", "draft-tree", "eagle3-tree", "mixed-batch-draft-tree", "draft-tree-pipelined",
-              "suffix-tree-planned", "draft-tree-penalties", "draft-tree-grammar", "pld-tree-grammar-penalties"]
+              "suffix-tree-planned", "draft-tree-penalties", "draft-tree-grammar", "pld-tree-grammar-penalties",
+              "keyed-draft-tree", "keyed-eagle3-tree", "keyed-mixed-batch-draft-tree", "keyed-pld-tree-grammar-penalties"]
 FAST_SAMPLES = 2_000
 
 
@@ -24,14 +25,15 @@ def test_sampled_sequences_follow_the_target(tiny_models, name):
     assert verdict.passed, verdict
     assert verdict.impossible == 0  # greedy requests of the mixed batch: all on the greedy path
     assert speculation["accepted"] > 0.1 * FAST_SAMPLES  # drafts were accepted, not only rejected
+    if CASES_BY_NAME[name].keyed:  # and every seeded sequence is the one plain decoding gives
+        assert speculation["differ_from_plain"] == 0
 
 
 @pytest.mark.parametrize("control", CONTROLS, ids=lambda c: c.name)
 def test_a_verifier_with_a_deliberate_mistake_is_caught(tiny_models, control):
     case = CASES_BY_NAME[control.cases[0]]
-    with control.applied():
-        groups, _ = sample_case(case, tiny_models, FAST_SAMPLES)
-    assert not judge(groups).passed  # the real verifier passes these seeds: the full set's same case
+    groups, speculation = sample_case(case, tiny_models, FAST_SAMPLES, control)
+    assert not case_passed(judge(groups), speculation)  # the real verifier passes these seeds (the full set)
 
 
 @pytest.mark.slow

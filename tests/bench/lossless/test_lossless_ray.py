@@ -2,7 +2,10 @@
 with its drafter in a draft actor, on fake GPUs."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bench.lossless.cases import CASES_BY_NAME
+from bench.lossless.engines import FIXED_BUDGET
 from bench.lossless.report import sample_case
 from bench.lossless.stats import judge
 from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
@@ -10,7 +13,11 @@ from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixt
 
 
 def test_tp2_target_with_a_draft_actor_samples_the_targets_distribution(tiny_models, ray_four_gpus):
-    groups, speculation = sample_case(CASES_BY_NAME["ray-tp2-layer-skip-tree"], tiny_models, 2_000)
+    """The planner off by configuration: on a cost curve measured at start it may draft next to
+    nothing, and this test is about sampling through the actors (the full set runs it planned)."""
+    case = CASES_BY_NAME["ray-tp2-layer-skip-tree"]
+    unplanned = replace(case, engine={**case.engine, "step_token_budget": FIXED_BUDGET})
+    groups, speculation = sample_case(unplanned, tiny_models, 2_000)
     verdict = judge(groups)
     assert verdict.passed and verdict.impossible == 0, verdict
     assert speculation["accepted"] > 200

@@ -12,7 +12,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import ColocatedWorker, SpecCluster
-from cluster.serve.requests import RequestBuilder, RequestOptions, StructuredOutput
+from cluster.serve.requests import RequestBuilder, RequestOptions, SpeculationOptions, StructuredOutput
 from speculators.heads.checkpoint import save_eagle3, save_medusa
 from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
@@ -116,3 +116,36 @@ def test_every_request_option_through_a_head(ray_four_gpus, tiny_model_dir, head
     assert failures == 0
     assert essentials(served) == essentials(plain)
     assert all(o.finish_reason in ("stop", "length") for o in served), [(o.finish_reason, o.error) for o in served]
+
+
+FIXED_FOUR = SpeculationOptions(lookahead="fixed", num_speculative_tokens=4)
+
+
+def seeded_requests(builder: RequestBuilder, prefix: str) -> list:
+    """Sampled requests with seeds, as a client sends them (the service's rule: keyed)."""
+    return [builder.build_request(RequestOptions(prompt_token_ids=prompt, max_new_tokens=24, temperature=temperature,
+                                                 top_k=top_k, seed=seed, speculation=FIXED_FOUR),
+                                  f"{prefix}{i}-{seed}")
+            for i, prompt in enumerate(PROMPTS) for seed, temperature, top_k in ((5, 0.8, 0), (9, 1.0, 20))]
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "draft-actor-tp2"])
+def test_seeded_samples_through_a_tp2_group_equal_plain_decoding(ray_four_gpus, tiny_model_dir, head_folders,
+                                                                 deployment):
+    """The same seeds give the same samples from a TP=2 group with an EAGLE-3 head in a draft actor
+    (or co-located) as from plain decoding in this process, with drafts accepted on the way."""
+    engine = EngineConfig(model=str(tiny_model_dir), method="eagle3", draft=str(head_folders / "eagle3"),
+                          draft_width=2, max_sequences=8, max_len=256, **UNPLANNED)
+    colocated = deployment == "colocated"
+    spec = ClusterSpec(engine=engine, tensor_parallel_size=1 if colocated else 2, colocate_drafter=colocated)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    plain_engine = local_engine(load_model(tiny_model_dir), tokenizer, None, engine.model_copy(update={"method": "none"}))
+    plain = plain_engine.generate(seeded_requests(RequestBuilder.in_process(plain_engine, tokenizer, engine), "p"))
+    cluster = SpecCluster(spec).start()
+    try:
+        served = cluster.generate(seeded_requests(RequestBuilder.in_process(cluster.loops[0].engine, tokenizer, engine),
+                                                  "s"), timeout_s=180)
+    finally:
+        cluster.shutdown()
+    assert [o.token_ids for o in served] == [o.token_ids for o in plain]
+    assert sum(o.stats.accepted for o in served) > 0

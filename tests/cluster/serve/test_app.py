@@ -187,3 +187,21 @@ def test_the_replica_exposes_its_measured_cost_curve(stub):
     assert len(curves) == 1 and curves[0]
     single = sorted((p["tokens"], p["seconds"]) for p in curves[0] if p["sequences"] == 1)
     assert single[0][0] == 1 and all(seconds > 0 for _, seconds in single)
+
+
+def test_a_seed_gives_the_same_sample_over_grpc_and_http_with_speculation_on_or_off(stub, ports):
+    """Sampled at temperature 0.8 with a seed: the same tokens from gRPC and HTTP, from repeated calls
+    and with speculation off, while drafts were accepted on the way (so they could have changed it)."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="unused")
+    for seed in (3, 42):
+        sampling = {"temperature": 0.8, "seed": seed}
+        grpc_on = [stub.Generate(text_request(**sampling), timeout=120) for _ in range(2)]
+        grpc_off = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(max_new_tokens=24, **sampling),
+                                                    speculation=pb.Speculation(method="off")), timeout=120)
+        http = [client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=24, extra_body=extra,
+                                          **sampling).choices[0].text
+                for extra in ({}, {"speculation": {"method": "off"}})]
+        assert [list(r.token_ids) for r in grpc_on] == [list(grpc_off.token_ids)] * 2
+        assert http == [grpc_off.text] * 2
+        assert grpc_off.stats.drafted == 0
+    assert sum(r.stats.accepted for r in grpc_on) > 0
