@@ -87,8 +87,9 @@ def control_record(control: Control, cases: list[Case], models: TinyModels, samp
         verdict = judge(groups)
         tried.append({"case": case.name, "samples": verdict.samples, "p_value": verdict.p_value,
                       "differ_from_plain": speculation["differ_from_plain"], "caught": not case_passed(verdict, speculation)})
-        log(f"  control '{control.name}' on {case.name}: p = {verdict.p_value:.3g}, "
-            f"{speculation['differ_from_plain']} differ from plain decoding")
+        differ = speculation["differ_from_plain"]
+        log(f"  control '{control.name}' on {case.name}: p = {verdict.p_value:.3g}"
+            + ("" if differ is None else f", {differ} differ from plain decoding"))
     return {"name": control.name, "caught": bool(tried) and all(t["caught"] for t in tried), "cases": tried}
 
 
