@@ -13,7 +13,9 @@ and a full batch drafts less or nothing once passes turn compute-bound.
 Lossless sampling: a tree carrying draft probabilities (sampled from a draft model or a head) is never
 trimmed here, because keeping a sampled node or not by its own value would change the
 distribution it was drawn from. Deterministic trees (prompt lookup, suffix, greedy drafts) are a
-function of the context alone, so any trimming keeps them lossless.
+function of the context alone, so any trimming keeps them lossless; so are the trees of seeded
+(keyed) requests, which carry no draft probabilities: their verifier keeps exactly the drafted
+tokens that are the target's own samples, whatever else was drafted.
 """
 from __future__ import annotations
 
