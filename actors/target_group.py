@@ -20,7 +20,7 @@ from actors.draft_worker import DraftWorker
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
-from actors.model.threads import available_cores, use_cores
+from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
 from actors.target_worker import RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
@@ -56,7 +56,7 @@ class TargetShard:
         cpu_threads: int | None = None,
     ):
         self.rank, self.world_size = rank, world_size
-        use_cores(cpu_threads or max(1, available_cores() // world_size))  # the group's ranks share a node
+        use_cores(cpu_threads, ranks=world_size)  # the group's ranks share a node
         if build_drafter is not None and world_size > 1:
             raise ValueError("a co-located drafter needs a target of one rank (tensor parallel size 1)")
         self.device = bind_device(device)

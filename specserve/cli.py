@@ -108,7 +108,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import cluster_bench, cost_curve, fuzz, grammar_engines, ray_overhead, serve_bench, soak, specbench
+    from bench import (busy_neighbour, cluster_bench, cost_curve, fuzz, grammar_engines, path_cost, ray_overhead,
+                       serve_bench, soak, specbench)
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -147,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=defaults)
     ray_overhead.add_arguments(overhead)
     overhead.set_defaults(func=ray_overhead.run)
+    neighbour = bench_sub.add_parser("busy-neighbour", help="`specserve generate` alone and beside a CPU-bound job",
+                                     formatter_class=defaults)
+    busy_neighbour.add_arguments(neighbour)
+    neighbour.set_defaults(func=busy_neighbour.run)
+    path = bench_sub.add_parser("path-cost", help="the same requests in process, through Ray actors and through the "
+                                "Serve app: what each layer of the served path costs", formatter_class=defaults)
+    path_cost.add_arguments(path)
+    path.set_defaults(func=path_cost.run)
     proof = bench_sub.add_parser("lossless", help="sampled output against the exact distribution of a tiny target, "
                                  "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
     lossless.add_arguments(proof)

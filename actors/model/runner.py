@@ -16,6 +16,7 @@ from actors.model.kv_cache import CacheFullError, KVCache
 from actors.model.batch import Segment
 from actors.model.cuda_graphs import GraphedForward
 from actors.model.llama import LlamaDecoder
+from actors.model.threads import follow_load
 from speculators.proposers.base import TreeInput
 from speculators.tree import extend_ancestors
 
@@ -83,6 +84,7 @@ class ModelRunner:
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """`forward`, plus each input's captured hidden states ([its tokens, len(capture) x hidden],
         see `LlamaDecoder.forward_capturing`; None for inputs without tokens or when nothing is captured)."""
+        follow_load(self.model.device)
         for item in inputs:  # refuse the whole call before any sequence's scratch changes
             state = self._sequences[item.seq_id]
             if len(item.parents) != len(item.token_ids):

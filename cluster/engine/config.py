@@ -109,7 +109,7 @@ class EngineConfig(SchedulerConfig):
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads in each target shard and draft actor; null: the cores the process "
         "may use, shared among a target group's ranks (Ray would otherwise run an actor that reserves no CPU on "
-        "one thread)")
+        "one thread), fewer while another process holds cores during the passes (actors/model/threads.py)")
     cuda_graphs: bool = Field(
         False, description="on a GPU, replay captured CUDA graphs for one-sequence passes of up to 64 new tokens "
         "(decode, small verification and draft steps); ignored on a CPU")
