@@ -6,6 +6,7 @@ even when another one runs on this machine, and token auth is off so the cluster
 """
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,11 +15,23 @@ import pytest
 import ray
 
 
+PORTS = range(20000, 32000)
+"""Where test servers listen: above Ray's worker ports (10002-19999) and below Linux's ephemeral
+range (32768-60999). A port the kernel hands out as free (bind to port 0) comes from that range,
+which every outgoing connection of Ray's own processes also draws from, so one of them could take it
+before Serve's proxy binds it (seen once: "Address already in use" for every test of a module)."""
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for Serve's HTTP and gRPC proxies)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    for port in random.sample(PORTS, 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 @contextmanager
