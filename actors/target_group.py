@@ -22,7 +22,7 @@ from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
-from actors.target_worker import RequestFailed, TargetWorker
+from actors.target_worker import Admission, CacheOptions, RequestFailed, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
 from speculators.sampling import SamplingParams
@@ -54,6 +54,7 @@ class TargetShard:
         hidden_dtype: str = "float32",
         build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
         cpu_threads: int | None = None,
+        cache: CacheOptions = CacheOptions(),
     ):
         self.rank, self.world_size = rank, world_size
         use_cores(cpu_threads, ranks=world_size)  # the group's ranks share a node
@@ -62,6 +63,7 @@ class TargetShard:
         self.device = bind_device(device)
         self._load = (model, max_sequences, max_len, dtype, attention_backend, cuda_graphs)
         self._hidden = (tuple(hidden_layers), hidden_dtype, build_drafter)
+        self._cache = cache
         self.worker: TargetWorker | None = None
         self.drafter: ColocatedDrafter | None = None
 
@@ -90,11 +92,16 @@ class TargetShard:
             self.drafter = ColocatedDrafter(DraftWorker(lambda: build_drafter(decoder), learn_in_background=True))
             hidden_layers, hidden_dtype = self.drafter.hidden_spec()
         self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs, hidden_layers,
-                                   getattr(torch, hidden_dtype))
+                                   getattr(torch, hidden_dtype), self._cache)
 
-    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
-        hidden = self.worker.start(requests)
-        return hidden if self.drafter is None else self.drafter.keep_prefill(hidden)
+    def start(self, requests: Sequence[tuple]) -> Admission:
+        admission = self.worker.start(requests)
+        if self.drafter is not None:
+            admission.hidden = self.drafter.keep_prefill(admission.hidden)
+        return admission
+
+    def kv_capacity(self) -> tuple[int, int]:
+        return self.worker.kv_capacity()
 
     def verify(self, batch: Sequence[tuple]) -> list[VerifyResult | RequestFailed]:
         results = self.worker.verify(batch)
@@ -168,6 +175,7 @@ class TargetGroup:
     `hidden_layers` and `hidden_dtype`: the hidden states rank 0 returns for a drafter that reads
     them (TargetWorker). `build_drafter` (TP 1 only) puts the drafter in the shard's process, built
     over its decoder. `cpu_threads`: torch threads of each shard (None: the cores it may use).
+    `cache`: the KV cache layout of every rank (blocks, block size, prefix caching).
     """
 
     def __init__(
@@ -187,6 +195,7 @@ class TargetGroup:
         hidden_dtype: str = "float32",
         build_drafter: Callable[[LlamaDecoder], Proposer] | None = None,
         cpu_threads: int | None = None,
+        cache: CacheOptions = CacheOptions(),
     ):
         import ray
 
@@ -204,7 +213,7 @@ class TargetGroup:
         self._shards = [
             shard_class.options(**options[rank]).remote(
                 model, rank, world_size, max_sequences, max_len, dtype, device, attention_backend, cuda_graphs,
-                hidden_layers, hidden_dtype, build_drafter, cpu_threads,
+                hidden_layers, hidden_dtype, build_drafter, cpu_threads, cache,
             )
             for rank in range(world_size)
         ]

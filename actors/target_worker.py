@@ -1,9 +1,14 @@
-"""The target side of speculative decoding: prefill, batched tree verification, KV compaction.
+"""The target side of speculative decoding: admission, prefill, batched tree verification, KV compaction.
 
-`TargetWorker` holds one copy (or one tensor-parallel shard) of the target model and the KV cache
-of every sequence it serves. `verify` runs every request's draft tree in one packed forward pass,
-applies the lossless acceptance rule per request and compacts the accepted nodes' K/V, so only
+`TargetWorker` holds one copy (or one tensor-parallel shard) of the target model and the paged KV
+cache of every sequence it serves. `verify` runs every request's draft tree in one packed forward
+pass, applies the lossless acceptance rule per request and compacts the accepted nodes' K/V, so only
 the small VerifyResults leave the worker. On Ray it runs inside a TargetShard (target_group.py).
+
+The worker owns the KV blocks, so it decides what fits: `start` admits requests in order while
+their prompts fit (a prompt prefix cached under the request's scope costs no blocks and no
+compute), and `verify` preempts the newest requests of the call when the trees do not fit. Every
+rank of a tensor-parallel group gets the same calls in the same order and so decides the same.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.model.kv_cache import DEFAULT_BLOCK_SIZE
 from actors.model.llama import LlamaDecoder
 from actors.model.runner import ModelRunner
 from actors.model.timing import time_passes
@@ -26,6 +32,47 @@ VERIFY_SALT = 0
 
 
 @dataclass
+class CacheOptions:
+    """How a worker's KV cache is laid out (ModelRunner's arguments)."""
+
+    blocks: int | None = None
+    """Blocks in the pool; None: room for max_sequences sequences of max_len."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_caching: bool = False
+
+
+@dataclass
+class Admission:
+    """What `start` did: which requests it admitted (with the prompt tokens it found cached), which
+    it had no room for (the caller queues them again), and the prefilled tokens' hidden states when
+    `hidden_layers` asks for them."""
+
+    cached_tokens: dict[str, int]
+    refused: list[str]
+    hidden: dict[str, torch.Tensor] | None = None
+    free_blocks: int = 0
+    """Blocks free or cached and unheld after the admission, of `total_blocks`."""
+    total_blocks: int = 0
+
+
+@dataclass
+class PrefillChunk:
+    """After a verify call's results: one chunk of a prompt prefilled in the same pass, with the
+    chunk's hidden states when `hidden_layers` asks for them."""
+
+    seq_id: str
+    start: int
+    """The chunk's first position."""
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Preempted:
+    """In place of a VerifyResult: the KV cache had no room for this request's tree. Its blocks are
+    freed; the engine resumes it later from its tokens so far (mostly found in the prefix cache)."""
+
+
+@dataclass
 class RequestFailed:
     """In place of a VerifyResult: this request's verification raised. It ends with this error; the
     other requests of the batch keep their results."""
@@ -35,62 +82,102 @@ class RequestFailed:
 
 class TargetWorker:
     def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048, cuda_graphs: bool = False,
-                 hidden_layers: Sequence[int] = (), hidden_dtype: torch.dtype = torch.float32):
+                 hidden_layers: Sequence[int] = (), hidden_dtype: torch.dtype = torch.float32,
+                 cache: CacheOptions = CacheOptions()):
         """`hidden_layers` (a trained head's `Proposer.hidden_layers`): the hidden states that prefill
-        and verification return for committed tokens, in `hidden_dtype`, from rank 0 only."""
+        and verification return for committed tokens, in `hidden_dtype`, from rank 0 only. A head
+        needs the hidden state of every prompt token, so prefix caching is off with one."""
         self.model = model
-        self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs)
+        self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs, kv_blocks=cache.blocks,
+                                  block_size=cache.block_size, prefix_caching=cache.prefix_caching and not hidden_layers)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
+        self._prompts: dict[str, list[int]] = {}
+        """Prompts admitted without their prefill (chunked prefill), until their last chunk is in."""
         self.hidden_layers, self.hidden_dtype = tuple(hidden_layers), hidden_dtype
 
     @property
     def max_len(self) -> int:
         return self.runner.max_len
 
-    def start(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, torch.Tensor] | None:
-        """Admit requests and prefill every prompt token but the last (the first tree's root).
+    def kv_capacity(self) -> tuple[int, int]:
+        """(blocks, positions per block) of the KV cache."""
+        return self.runner.pool.num_blocks, self.runner.cache.block_size
 
-        Requests admitted together with the same prompt (the `n` samples of one call) share one
-        prefill: the first is run, the others get a copy of its K/V. Returns the prefilled tokens'
-        hidden states per request when `hidden_layers` asks for them."""
-        for seq_id, prompt, sampling in requests:
+    def start(self, requests: Sequence[tuple], prefill: bool = True) -> Admission:
+        """Admit requests, each (id, prompt, SamplingParams) or (id, prompt, SamplingParams, cache
+        scope), in order while they fit, and prefill every prompt token but the last (the first
+        tree's root) that the prefix cache does not hold, all in one pass; or, without `prefill`,
+        keep the prompts for `verify` to prefill chunk by chunk (chunked prefill: the caller asks
+        for chunks in admission order, so a prompt reusing blocks of an earlier one is prefilled
+        no sooner than those blocks).
+
+        A request is admitted when its blocks leave a watermark of 1% of the blocks free (room for
+        running requests to grow; past that `verify` preempts); the first that does not fit and
+        every later one are refused. A request admitted after another with the same prompt prefix in the same scope
+        (the `n` samples of one call, a shared system prompt) shares its full blocks in this very
+        pass: each layer writes every new token's K/V before any token attends."""
+        for seq_id, prompt, *_ in requests:
             if not prompt:
                 raise ValueError(f"request {seq_id!r} has an empty prompt")
             if len(prompt) >= self.max_len:
                 raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
-            self.runner.add(seq_id)
+        cached, refused = {}, []
+        for seq_id, prompt, sampling, *scope in requests:
+            if refused or not self._admit(seq_id, prompt, scope[0] if scope else None):
+                refused.append(seq_id)
+                continue
             generator = None if sampling.greedy or sampling.keyed else sampling.generator(VERIFY_SALT, self.model.device)
             self._sampling[seq_id] = (sampling, generator)
-        first_of: dict[tuple[int, ...], str] = {}
-        for seq_id, prompt, _ in requests:
-            first_of.setdefault(tuple(prompt), seq_id)
-        inputs = [TreeInput(s, list(p[:-1]), chain_parents(len(p) - 1), logits="none")
-                  for s, p, _ in requests if first_of[tuple(p)] == s]
+            cached[seq_id] = self.runner.committed_length(seq_id)
+        if not prefill:
+            self._prompts.update((seq_id, list(prompt[:-1])) for seq_id, prompt, *_ in requests if seq_id in cached)
+            return Admission(cached, refused, free_blocks=self.runner.pool.available, total_blocks=self.runner.pool.num_blocks)
+        inputs = [TreeInput(seq_id, list(prompt[cached[seq_id]:-1]), chain_parents(len(prompt) - 1 - cached[seq_id]),
+                            logits="none") for seq_id, prompt, *_ in requests if seq_id in cached]
         _, hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
         for item in inputs:
             self.runner.commit(item.seq_id, range(len(item.token_ids)))
-        for seq_id, prompt, _ in requests:
-            if first_of[tuple(prompt)] != seq_id:
-                self.runner.copy_sequence(first_of[tuple(prompt)], seq_id)
-        if not self._sends_hidden:
-            return None
-        rows_of = {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden) if rows is not None}
-        return {seq_id: rows_of[first_of[tuple(prompt)]] for seq_id, prompt, _ in requests
-                if first_of[tuple(prompt)] in rows_of}
+        admission = Admission(cached, refused, free_blocks=self.runner.pool.available,
+                              total_blocks=self.runner.pool.num_blocks)
+        if self._sends_hidden:
+            admission.hidden = {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden)
+                                if rows is not None}
+        return admission
+
+    def _admit(self, seq_id: str, prompt: Sequence[int], scope: str | None) -> bool:
+        """Add the request's sequence with the prompt prefix the cache holds and take the blocks of
+        the rest, if they fit."""
+        runner = self.runner
+        if runner.cache.blocks_for(len(prompt) - 1) > runner.pool.num_blocks:
+            raise ValueError(f"request {seq_id!r}: a prompt of {len(prompt)} tokens does not fit in the whole KV cache "
+                             f"({runner.pool.num_blocks} blocks of {runner.cache.block_size})")
+        runner.add(seq_id, scope)
+        cached = runner.reuse_prefix(seq_id, prompt[:-1])
+        needed = runner.blocks_to_grow(seq_id, len(prompt) - 1 - cached)
+        if self._sampling and needed + runner.pool.num_blocks // 100 + 1 > runner.pool.available:
+            runner.remove(seq_id)
+            return False
+        runner.reserve(seq_id, prompt[:-1])
+        return True
 
     @property
     def _sends_hidden(self) -> bool:
         return bool(self.hidden_layers) and self.model.comm.rank == 0
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree] | tuple[str, DraftTree, Shaping | None]]
-               ) -> list[VerifyResult | RequestFailed]:
+    def verify(self, batch: Sequence[tuple[str, DraftTree] | tuple[str, DraftTree, Shaping | None]],
+               prefill: Sequence[tuple[str, int]] = ()) -> list[VerifyResult | RequestFailed | Preempted | PrefillChunk]:
         """Each item is (request id, tree) or (request id, tree, Shaping): a request's penalties,
-        grammar mask and logprobs for this pass."""
-        items = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in batch]
+        grammar mask and logprobs for this pass. `prefill`: (request id, tokens) chunks of prompts
+        admitted without prefill, run in the same pass; a PrefillChunk for each follows the results."""
+        everything = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in batch]
+        preempted = self._make_room(everything, [seq_id for seq_id, _ in prefill])
+        items = [item for item in everything if item[0] not in preempted]
         inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id, shaping))
                   for seq_id, tree, shaping in items]
-        all_logits, all_hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
-        results = self._decide(items, all_logits)
+        chunks = [self._chunk(seq_id, count) for seq_id, count in prefill if seq_id not in preempted]
+        all_logits, all_hidden = self.runner.forward_capturing(inputs + chunks, self.hidden_layers)
+        done = self._commit_chunks(chunks, all_hidden[len(inputs):])
+        results = self._decide(items, all_logits[:len(inputs)])
         for (seq_id, _, _), result, rows in zip(items, results, all_hidden):
             if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
                 self.runner.truncate(seq_id, self.runner.committed_length(seq_id))
@@ -98,7 +185,41 @@ class TargetWorker:
             self.runner.commit(seq_id, result.accepted_nodes)
             if self._sends_hidden:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
-        return results
+        decided, prefilled = iter(results), iter(done)
+        return ([Preempted() if seq_id in preempted else next(decided) for seq_id, _, _ in everything]
+                + [Preempted() if seq_id in preempted else next(prefilled) for seq_id, _ in prefill])
+
+    def _chunk(self, seq_id: str, count: int) -> TreeInput:
+        """The next `count` tokens of a prompt still to prefill."""
+        start, prompt = self.runner.committed_length(seq_id), self._prompts.get(seq_id, ())
+        tokens = prompt[start: start + count]
+        if len(tokens) != count:
+            raise ValueError(f"request {seq_id!r} has {max(0, len(prompt) - start)} prompt tokens left, not {count}")
+        return TreeInput(seq_id, tokens, chain_parents(count), logits="none")
+
+    def _commit_chunks(self, chunks: Sequence[TreeInput], hidden: Sequence[torch.Tensor | None]) -> list[PrefillChunk]:
+        done = []
+        for chunk, rows in zip(chunks, hidden):
+            start = self.runner.committed_length(chunk.seq_id)
+            self.runner.commit(chunk.seq_id, range(len(chunk.token_ids)))
+            if start + len(chunk.token_ids) == len(self._prompts[chunk.seq_id]):
+                del self._prompts[chunk.seq_id]
+            done.append(PrefillChunk(chunk.seq_id, start, rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
+        return done
+
+    def _make_room(self, items: Sequence[tuple[str, DraftTree, Shaping | None]], prefilling: Sequence[str]) -> set[str]:
+        """Free the newest requests of the call (prompts being prefilled included: their blocks are
+        taken) until every other tree fits; the ids freed. The oldest one is always kept."""
+        runner, preempted = self.runner, set()
+        needed = {seq_id: runner.blocks_to_grow(seq_id, tree.size) for seq_id, tree, _ in items}
+        admitted = list(self._sampling)
+        newest_first = sorted([*needed, *prefilling], key=admitted.index, reverse=True)
+        while sum(needed.values()) > runner.pool.available and len(newest_first) > 1:
+            victim = newest_first.pop(0)
+            self.finish(victim)
+            needed.pop(victim, None)
+            preempted.add(victim)
+        return preempted
 
     def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:
         """A plain greedy request needs only the target's choice at each node; a sampled one, or one
@@ -146,6 +267,7 @@ class TargetWorker:
     def finish(self, seq_id: str) -> None:
         self.runner.remove(seq_id)
         self._sampling.pop(seq_id, None)
+        self._prompts.pop(seq_id, None)
 
     def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
         """The cost curve: the fastest of `repeats` verification passes of each (tokens, sequences) shape."""

@@ -108,8 +108,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import (busy_neighbour, cluster_bench, cost_curve, fuzz, grammar_engines, path_cost, ray_overhead,
-                       serve_bench, soak, specbench)
+    from bench import (busy_neighbour, cluster_bench, cost_curve, fuzz, grammar_engines, kv_bench, path_cost,
+                       ray_overhead, serve_bench, soak, specbench)
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "Serve app: what each layer of the served path costs", formatter_class=defaults)
     path_cost.add_arguments(path)
     path.set_defaults(func=path_cost.run)
+    kv = bench_sub.add_parser("kv", help="the paged KV cache through the Serve app: capacity at 8-64 in flight, a shared "
+                              "system prompt, multi-turn history and long prompts beside running streams",
+                              formatter_class=defaults)
+    kv_bench.add_arguments(kv)
+    kv.set_defaults(func=kv_bench.run)
     proof = bench_sub.add_parser("lossless", help="sampled output against the exact distribution of a tiny target, "
                                  "every drafter, tree, lookahead, warp and deployment", formatter_class=defaults)
     lossless.add_arguments(proof)

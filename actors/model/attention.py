@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from actors.model.split_attention import SplitBackend
+from actors.model.split_attention import SplitBackend, accumulation_dtype, attention_with_lse, merge_by_lse
 
 if TYPE_CHECKING:
     from actors.model.batch import PackedBatch, SequenceView
@@ -29,8 +29,8 @@ class AttentionBackend(Protocol):
 
 
 class SdpaBackend:
-    """torch.nn.functional.scaled_dot_product_attention with grouped-query heads: one call per
-    sequence over its cache slot where the batch says so (a CPU), else one padded call."""
+    """torch.nn.functional.scaled_dot_product_attention with grouped-query heads: per sequence over
+    views of its cache blocks where the batch says so (a CPU), else one padded call."""
 
     name = "sdpa"
 
@@ -48,15 +48,48 @@ class SdpaBackend:
 
 
 def _attend_sequence(q: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
-    """One sequence's packed queries [n, heads, d] against a view of its cache slot -> [n, heads * d]."""
+    """One sequence's packed queries [n, heads, d] against its cached positions -> [n, heads * d].
+
+    A sequence stored as one run of adjacent blocks (the usual case) is one SDPA call over a view.
+    A fragmented one attends each run of its committed prefix (no mask) through the CPU flash
+    kernel, which returns the log-sum-exp, and the rest (the new tokens, under the mask) gathered;
+    the parts are merged by log-sum-exp: exact, and still no copy of the history.
+    """
     query = q[view.rows].transpose(0, 1).unsqueeze(0)
-    keys = cache.keys[layer, view.slot: view.slot + 1, :, : view.end]
-    values = cache.values[layer, view.slot: view.slot + 1, :, : view.end]
-    attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
+    if len(view.runs) == 1:
+        _, start, length = view.runs[0]
+        keys = cache.keys[layer, None, :, start: start + length]
+        values = cache.values[layer, None, :, start: start + length]
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+    else:
+        attended = _attend_runs(query, view, cache, layer)
     return attended[0].transpose(0, 1).reshape(query.shape[2], -1)
+
+
+def _attend_runs(query: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
+    heads, n, dim = query.shape[1:]
+    kv_heads = cache.keys.shape[1]
+    folded = query.reshape(1, kv_heads, heads // kv_heads * n, dim)  # a kv head's query heads as rows
+    dtype = accumulation_dtype(query)
+    out, lse = None, None
+    for logical, physical, length in view.runs:
+        length = min(length, view.prefix - logical)
+        if length <= 0:
+            break
+        part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            folded, cache.keys[layer, None, :, physical: physical + length],
+            cache.values[layer, None, :, physical: physical + length])
+        part, part_lse = part.reshape(1, heads, n, dim).to(dtype), part_lse.reshape(1, heads, n).to(dtype)
+        out, lse = (part, part_lse) if out is None else (merge_by_lse(out, lse, part, part_lse), torch.logaddexp(lse, part_lse))
+    tail = torch.tensor(cache.physical(view.blocks, view.prefix, view.end), device=query.device)
+    mask = torch.ones(n, view.end, dtype=torch.bool, device=query.device) if view.mask is None else view.mask
+    part, part_lse = attention_with_lse(query, cache.keys[layer, None][:, :, tail], cache.values[layer, None][:, :, tail],
+                                        mask[None, :, view.prefix:])
+    out = part if out is None else merge_by_lse(out, lse, part, part_lse)
+    return out.to(query.dtype)
 
 
 _BACKENDS = {"sdpa": SdpaBackend, "split": SplitBackend}

@@ -2,10 +2,10 @@
 
 A pass runs the new tokens of several sequences laid end to end (no padding in the projections).
 Attention sees them one of two ways:
-- per sequence (`sequences`): each sequence's queries against a view of its own cache slot,
-  under its own mask: no copy of any cache and no padding, one attention call per sequence. This
-  is the CPU path: at 16 sequences of ~1,000 positions, gathering their caches into one padded
-  block cost ~7 ms a layer against ~0.8 ms for the whole loop.
+- per sequence (`sequences`): each sequence's queries against views of its own cache blocks (one
+  view per run of adjacent blocks, usually one), under its own mask: no copy of any cache and no
+  padding. This is the CPU path: at 16 sequences of ~1,000 positions, gathering their caches into
+  one padded block cost ~7 ms a layer against ~0.8 ms for the whole loop.
 - padded (`queries`, `read`, `mask`, `outputs`): the batch regrouped into one [sequences, new
   tokens, positions] block, so every layer makes one cache read and one attention call (a GPU,
   where a kernel launch per sequence is the dearer part). Built on first use only.
@@ -25,12 +25,12 @@ from actors.model.kv_cache import KVCache
 class Segment:
     """The new tokens of one sequence inside a packed forward pass.
 
-    They are written to cache positions [start, start + num_tokens) of `slot` and attend to
-    positions [0, start + num_tokens) under `mask` ([num_tokens, start + num_tokens], True = may
-    attend), or to all of them when mask is None.
+    They are written to the sequence's positions [start, start + num_tokens), stored in the cache
+    blocks `blocks` lists (its block table), and attend to positions [0, start + num_tokens) under
+    `mask` ([num_tokens, start + num_tokens], True = may attend), or to all of them when mask is None.
     """
 
-    slot: int
+    blocks: Sequence[int]
     start: int
     num_tokens: int
     mask: torch.Tensor | None = None
@@ -45,37 +45,40 @@ class Segment:
 
 @dataclass
 class SequenceView:
-    """One sequence's part of a pass, for attention: its packed rows and its cache positions."""
+    """One sequence's part of a pass, for attention: its packed rows and where its positions are
+    stored, as runs of adjacent storage (logical start, physical start, length)."""
 
     rows: slice
-    slot: int
+    blocks: Sequence[int]
+    runs: list[tuple[int, int, int]]
     end: int
     mask: torch.Tensor | None
+    prefix: int
 
 
 class PackedBatch:
-    def __init__(self, segments: Sequence[Segment], device: torch.device):
+    def __init__(self, segments: Sequence[Segment], device: torch.device, cache: KVCache):
         self.segments = list(segments)
         self.device = torch.device(device)
+        self.cache = cache
         self.single = len(self.segments) == 1
         self.per_sequence = self.single or self.device.type == "cpu"
         """Whether attention runs sequence by sequence over cache views (see the module doc)."""
         counts = [s.num_tokens for s in self.segments]
         self.num_tokens = sum(counts)
         self.max_new, self.max_end = max(counts), max(s.end for s in self.segments)
-        slots, positions = [], []
+        stored = []
         for segment in self.segments:
-            slots += [segment.slot] * segment.num_tokens
-            positions += range(segment.start, segment.end)
-        self.token_slots = torch.tensor(slots, device=self.device)
-        self.token_positions = torch.tensor(positions, device=self.device)
-        self.slots = torch.tensor([s.slot for s in self.segments], device=self.device)
+            stored += cache.physical(segment.blocks, segment.start, segment.end)
+        self.token_storage = torch.tensor(stored, device=self.device)
+        """Where each new token's K/V is written."""
 
     @cached_property
     def sequences(self) -> list[SequenceView]:
         views, offset = [], 0
         for segment in self.segments:
-            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.slot, segment.end, segment.mask))
+            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.blocks, self.cache.runs(segment.blocks, segment.end),
+                                      segment.end, segment.mask, segment.prefix))
             offset += segment.num_tokens
         return views
 
@@ -103,18 +106,19 @@ class PackedBatch:
         rows = rows.flatten().to(self.device)
         return rows, (rows < self.num_tokens).nonzero().squeeze(1)
 
+    @cached_property
+    def storage(self) -> torch.Tensor:
+        """[B, max_end]: where each sequence's positions are stored (past its end: the pad position)."""
+        return torch.stack([self.cache.index(s.blocks, s.end, self.max_end) for s in self.segments]).to(self.device)
+
     def write(self, cache: KVCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) at their positions."""
-        cache.keys[layer][self.token_slots, :, self.token_positions] = keys
-        cache.values[layer][self.token_slots, :, self.token_positions] = values
+        cache.keys[layer][:, self.token_storage] = keys.transpose(0, 1)
+        cache.values[layer][:, self.token_storage] = values.transpose(0, 1)
 
     def read(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence's K/V up to its end: [B, kv_heads, max_end, head_dim] (a view for one sequence)."""
-        if self.single:
-            slot = self.segments[0].slot
-            return cache.keys[layer, slot: slot + 1, :, : self.max_end], cache.values[layer, slot: slot + 1, :, : self.max_end]
-        return (cache.keys[layer, :, :, : self.max_end].index_select(0, self.slots),
-                cache.values[layer, :, :, : self.max_end].index_select(0, self.slots))
+        """Every sequence's K/V up to its end: [B, kv_heads, max_end, head_dim]."""
+        return gather(cache.keys[layer], self.storage), gather(cache.values[layer], self.storage)
 
     def queries(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, d] packed -> [B, heads, max_new, d]."""
@@ -127,3 +131,8 @@ class PackedBatch:
         """[B, heads, max_new, d] -> packed [tokens, heads * d]."""
         flat = attended.transpose(1, 2).reshape(-1, attended.shape[1] * attended.shape[3])
         return flat if self.single else flat.index_select(0, self._padded_rows[1])
+
+
+def gather(store: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+    """One layer's [kv_heads, positions, d] store at `storage` ([B, n] positions) -> [B, kv_heads, n, d]."""
+    return store[:, storage].transpose(0, 1)

@@ -5,9 +5,9 @@ launching of a few hundred small kernels from Python. A CUDA graph replays a cap
 launch, but it needs fixed shapes and fixed memory. So each bucket (1, 2, 4, ... 64 new tokens) is
 captured once, when the runner is made and its KV cache is still empty (the warm-up runs before
 capture write into that empty cache and harm nothing), over static input buffers. A call pads its
-tokens to the next bucket (pad tokens write K/V past the sequence's end, where nothing reads
-before it is overwritten) and attends its slot's whole cache under its mask, so no shape depends on
-the sequence. Calls no bucket takes run eagerly: several sequences, more tokens than the largest
+tokens to the next bucket (pad tokens write K/V into the cache's pad block, which nothing reads)
+and attends `max_len` positions gathered through its block table under its mask, so no shape
+depends on the sequence. Calls no bucket takes run eagerly: several sequences, more tokens than the largest
 bucket, no logits wanted (a prefill), a tensor-parallel shard, or an attention backend other than
 sdpa (the split backend lays out its blocks on the host).
 """
@@ -25,37 +25,38 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class StaticBatch(PackedBatch):
-    """The layout of one sequence's `tokens` new tokens over its slot's whole cache, in fixed
-    buffers that each call refills: the slot is a tensor too, not a Python index."""
+    """The layout of one sequence's `tokens` new tokens over `max_len` positions, in fixed buffers
+    that each call refills: where its positions are stored is a tensor too, not Python indices."""
 
-    def __init__(self, tokens: int, max_len: int, device: torch.device):
-        super().__init__([Segment(0, max_len - tokens, tokens, torch.ones(tokens, max_len, dtype=torch.bool))], device)
+    def __init__(self, tokens: int, cache: KVCache, device: torch.device):
+        pad_table = [cache.pad_position // cache.block_size] * cache.blocks_for(cache.max_len)
+        mask = torch.ones(tokens, cache.max_len, dtype=torch.bool)
+        super().__init__([Segment(pad_table, cache.max_len - tokens, tokens, mask)], device, cache)
         self.per_sequence = False  # a graph replays the padded call over the buffers below
-
-    def read(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return cache.keys[layer].index_select(0, self.slots), cache.values[layer].index_select(0, self.slots)
+        self.storage  # built now: a buffer the graph reads
 
     def load(self, segment: Segment) -> None:
-        """Lay out `segment` (at most this batch's tokens) in the buffers; pad rows attend position 0."""
+        """Lay out `segment` (at most this batch's tokens) in the buffers; pad rows attend position 0
+        and write to the cache's pad block."""
         tokens, max_len = self.num_tokens, self.mask.shape[-1]
         mask = torch.zeros(1, tokens, max_len, dtype=torch.bool)
         mask[0, : segment.num_tokens, : segment.end] = True if segment.mask is None else segment.mask
         mask[0, segment.num_tokens:, 0] = True
         self.mask.copy_(mask)
-        self.slots.fill_(segment.slot)
-        self.token_slots.fill_(segment.slot)
-        self.token_positions.copy_(torch.arange(segment.start, segment.start + tokens))
+        self.storage.copy_(self.cache.index(segment.blocks, segment.end, max_len)[None])
+        written = self.cache.physical(segment.blocks, segment.start, segment.end)
+        self.token_storage.copy_(torch.tensor(written + [self.cache.pad_position] * (tokens - len(written))))
 
 
 class _Bucket:
     """Static inputs, layout and output of one captured size."""
 
-    def __init__(self, model: LlamaDecoder, tokens: int, max_len: int):
+    def __init__(self, model: LlamaDecoder, tokens: int, cache: KVCache):
         device = model.device
         self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
         self.rows = torch.arange(tokens, device=device)
-        self.batch = StaticBatch(tokens, max_len, device)
+        self.batch = StaticBatch(tokens, cache, device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
@@ -79,7 +80,7 @@ class GraphedForward:
         self.model, self.cache = model, cache
         self.capture = capture
         fits = model.comm.world_size == 1 and model.backend.name == "sdpa"
-        self.buckets = {size: _Bucket(model, size, cache.max_len) for size in buckets if size <= cache.max_len} if fits else {}
+        self.buckets = {size: _Bucket(model, size, cache) for size in buckets if size <= cache.max_len} if fits else {}
         if capture:
             for bucket in self.buckets.values():
                 self._capture(bucket)

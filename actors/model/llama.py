@@ -1,7 +1,7 @@
 """Our Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
 
 It runs a packed batch: the new tokens of several sequences laid end to end, each sequence
-attending to its own KV-cache slot under its own mask, which is what tree verification and
+attending to its own KV-cache blocks under its own mask, which is what tree verification and
 continuous batching need and what transformers' model code does not expose. Parameter names match
 Hugging Face checkpoints so state dicts load as they are.
 """
@@ -18,7 +18,7 @@ from actors.model.attention import AttentionBackend, get_backend
 from actors.model.batch import PackedBatch, Segment
 from actors.model.config import DecoderConfig
 from actors.model.fused import JointProjection, stack_in_place
-from actors.model.kv_cache import KVCache
+from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from actors.model.sharding import Communicator, ShardPlan
 
 
@@ -179,9 +179,15 @@ class LlamaDecoder(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def new_cache(self, num_blocks: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         attn = self.model.layers[0].self_attn
-        return KVCache(self.num_layers, num_slots, max_len, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        return KVCache(self.num_layers, num_blocks, block_size, max_len, attn.num_kv_heads, attn.head_dim, self.dtype,
+                       self.device)
+
+    def kv_bytes_per_position(self) -> int:
+        """KV cache bytes one position of one sequence takes (this rank's heads)."""
+        attn = self.model.layers[0].self_attn
+        return KVCache.bytes_per_position(self.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
@@ -240,7 +246,7 @@ class LlamaDecoder(nn.Module):
         """
         for segment in segments:
             cache.check_room(segment.end)
-        return self.run_capturing(input_ids, positions, PackedBatch(segments, self.device), cache, logit_rows,
+        return self.run_capturing(input_ids, positions, PackedBatch(segments, self.device, cache), cache, logit_rows,
                                   capture)
 
     def run(

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from actors.model.batch import gather
+
 if TYPE_CHECKING:
     from actors.model.batch import PackedBatch
     from actors.model.kv_cache import KVCache
@@ -73,7 +75,7 @@ class SplitLayout:
 
     @classmethod
     def of(cls, batch: PackedBatch) -> "SplitLayout":
-        device = batch.slots.device
+        device = batch.device
         prefix = torch.tensor([s.prefix for s in batch.segments], device=device)
         spans = [s.end - s.prefix for s in batch.segments]
         offsets = torch.arange(max(spans), device=device)
@@ -121,8 +123,8 @@ class SplitBackend:
     def attend(self, q: torch.Tensor, batch: PackedBatch, cache: KVCache, layer: int) -> torch.Tensor:
         layout = self._layout(batch)
         query = batch.queries(q)
-        keys = cache.keys[layer][batch.slots[:, None], :, layout.tree_positions].transpose(1, 2)
-        values = cache.values[layer][batch.slots[:, None], :, layout.tree_positions].transpose(1, 2)
+        tree = batch.storage.gather(1, layout.tree_positions)
+        keys, values = gather(cache.keys[layer], tree), gather(cache.values[layer], tree)
         out, lse = attention_with_lse(query, keys, values, layout.tree_mask)
         if layout.max_prefix:
             prefix_out, prefix_lse = (self._flash_prefix if self.varlen else self._torch_prefix)(q, batch, cache, layer, layout)
@@ -131,20 +133,19 @@ class SplitBackend:
 
     @staticmethod
     def _torch_prefix(q, batch: PackedBatch, cache: KVCache, layer: int, layout: SplitLayout):
-        keys = cache.keys[layer, :, :, : layout.max_prefix].index_select(0, batch.slots)
-        values = cache.values[layer, :, :, : layout.max_prefix].index_select(0, batch.slots)
+        prefix = batch.storage[:, : layout.max_prefix]
+        keys, values = gather(cache.keys[layer], prefix), gather(cache.values[layer], prefix)
         visible = torch.arange(layout.max_prefix, device=q.device)[None, :] < layout.prefix[:, None]
         return attention_with_lse(batch.queries(q), keys, values, visible[:, None, :].expand(-1, batch.max_new, -1))
 
     def _flash_prefix(self, q, batch: PackedBatch, cache: KVCache, layer: int, layout: SplitLayout):
         """The prefix through the varlen kernel: packed queries, each sequence's prefix K/V packed."""
         lengths = [s.prefix for s in batch.segments]
-        slots = torch.cat([torch.full((n,), s.slot) for s, n in zip(batch.segments, lengths)]).to(q.device)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(q.device)
+        stored = torch.cat([batch.storage[index, :n] for index, n in enumerate(lengths)])
         cu_q = torch.tensor([0, *itertools.accumulate(s.num_tokens for s in batch.segments)], dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=q.device)
         out, lse = self.varlen(
-            q=q, k=cache.keys[layer][slots, :, positions], v=cache.values[layer][slots, :, positions],
+            q=q, k=cache.keys[layer][:, stored].transpose(0, 1), v=cache.values[layer][:, stored].transpose(0, 1),
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=batch.max_new, max_seqlen_k=layout.max_prefix,
             causal=False, return_softmax_lse=True,
         )

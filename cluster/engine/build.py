@@ -59,7 +59,10 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
             f"draft {config.draft!r} has {draft.config.vocab_size} tokens, the target "
             f"{target.config.vocab_size}: a draft model must share the target's tokenizer"
         )
-    runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs)
+    target_config = target.config if target is not None else load_config(resolve_model(config.model))
+    blocks = config.cache_options(target_config, dtype).blocks
+    runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs, kv_blocks=blocks,
+                         block_size=config.block_size)
     return DraftModelProposer(runner, width=config.drafting_width())
 
 
@@ -86,7 +89,8 @@ def local_engine(
     (read from the cache under `cost_key` when there).
     """
     hidden = {} if proposer is None else {"hidden_layers": proposer.hidden_layers, "hidden_dtype": proposer.hidden_dtype}
-    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, cuda_graphs, **hidden), "target")
+    worker = LocalWorker(TargetWorker(target, config.max_sequences, config.max_len, cuda_graphs, **hidden,
+                                      cache=config.cache_options(target.config, target.dtype)), "target")
     drafters = [] if proposer is None else [LocalWorker(DraftWorker(lambda: proposer), "draft")]
     eos = set(eos_token_ids) | set(target.config.eos_token_ids)
     curve = None
@@ -146,6 +150,8 @@ ENGINE_OPTIONS = {
     ("--pld-branches", "--prompt-lookup-max-branches"): "prompt_lookup_max_branches",
     ("--max-tree-nodes",): "max_tree_nodes",
     ("--max-len",): "max_len",
+    ("--kv-cache-bytes",): "kv_cache_bytes",
+    ("--block-size",): "block_size",
     ("--dtype",): "dtype",
     ("--lookahead",): "lookahead.policy",
     ("--lookahead-tokens", "--num-speculative-tokens"): "lookahead.num_speculative_tokens",

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+import torch
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from actors.model.config import DecoderConfig
+from actors.model.kv_cache import KVCache
+from actors.target_worker import CacheOptions
 
 from actors.model.loader import DEFAULT_MODEL
 from speculators.lookahead import LookaheadConfig
@@ -18,6 +23,9 @@ Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
+DEFAULT_KV_SEQUENCES = 8
+"""kv_cache_bytes by default: max_len positions for 8 sequences, the memory of the slot cache of
+earlier releases (which decoded 8 requests at once)."""
 DEFAULT_DRAFT_WIDTH = {"eagle3": 4}
 """Widths measured best on Spec-Bench; a method not named drafts one branch. eagle3: EAGLE-2's tree of
 width 4 made 1.09x against the chain's 1.05x on the 240 questions (bench/results/specbench-heads-240.md),
@@ -31,8 +39,22 @@ class SchedulerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_sequences: int = Field(8, ge=1, le=1024, description="requests decoded at once (KV cache slots)")
-    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (KV cache depth)")
+    max_sequences: int = Field(
+        64, ge=1, le=1024, description="most requests decoded at once; how many fit is decided by free KV cache "
+        "blocks (kv_cache_bytes), and a request that would not fit waits in the queue")
+    max_len: int = Field(2048, ge=16, description="tokens per sequence, prompt and output (the context window)")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="memory of the target's KV cache, all tensor-parallel ranks together, in bytes; "
+        "null: 8 x max_len positions of the target (e.g. 755 MB for SmolLM2-135M at max_len 2048)")
+    block_size: int = Field(16, ge=1, le=256, description="positions per KV cache block (a power of two)")
+    prefill_chunk_tokens: int | None = Field(
+        64, ge=1, description="chunked prefill: the most prompt tokens prefilled in one pass, packed into the same "
+        "pass as the running requests' verification trees (the planner counts them), so a long prompt does not "
+        "stall the streams already decoding; null: a whole prompt in the pass that admits it")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV cache blocks of a prompt prefix computed before in the same cache scope "
+        "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa), which need every "
+        "prompt token's hidden state")
     max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
     lookahead: LookaheadConfig = Field(
         default_factory=LookaheadConfig, description="lookahead of a request that does not choose its own")
@@ -54,6 +76,34 @@ class SchedulerConfig(BaseModel):
     rebuild_retry_s: float = Field(
         30.0, gt=0, description="after a failed rebuild of the target, how long new requests are refused "
         "(with a retryable error) before the next try")
+
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, not {value}")
+        return value
+
+    def kv_budget(self, model: DecoderConfig, dtype: torch.dtype) -> int:
+        """`kv_cache_bytes`, or its default for this target."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        return DEFAULT_KV_SEQUENCES * self.max_len * _bytes_per_position(model, dtype)
+
+    def cache_options(self, model: DecoderConfig, dtype: torch.dtype) -> CacheOptions:
+        """The target's KV cache layout: `kv_cache_bytes` in blocks (at least one max_len sequence).
+        A draft model's cache gets as many blocks: it holds the same sequences."""
+        position, budget = _bytes_per_position(model, dtype), self.kv_budget(model, dtype)
+        blocks = budget // (position * self.block_size)
+        if blocks * self.block_size < self.max_len:
+            raise ValueError(f"kv_cache_bytes ({budget}) holds {blocks * self.block_size} positions, fewer than one "
+                             f"sequence of max_len ({self.max_len}); at least {position * self.max_len} bytes are needed")
+        return CacheOptions(blocks, self.block_size, self.enable_prefix_caching)
+
+
+def _bytes_per_position(model: DecoderConfig, dtype: torch.dtype) -> int:
+    return KVCache.bytes_per_position(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
 
 
 class EngineConfig(SchedulerConfig):

@@ -164,10 +164,12 @@ class Planner:
     steps_since_drafting: int = 0
     explore_after: int = EXPLORE_EVERY
 
-    def trim(self, drafts: Sequence[Planned]) -> list[DraftTree]:
-        """Each draft cut to the nodes that maximise the batch's expected tokens per second."""
-        sequences = len(drafts)
-        fixed_tokens, value = sequences, float(sequences)
+    def trim(self, drafts: Sequence[Planned], other_tokens: int = 0, other_sequences: int = 0) -> list[DraftTree]:
+        """Each draft cut to the nodes that maximise the batch's expected tokens per second; the pass
+        also carries `other_tokens` tokens of `other_sequences` sequences (prompt chunks), which cost
+        time and yield no output tokens."""
+        sequences = len(drafts) + other_sequences
+        fixed_tokens, value = len(drafts) + other_tokens, float(len(drafts))
         candidates = []  # (path probability, depth, draft index, node)
         for index, draft in enumerate(drafts):
             draft.probs = path_probabilities(draft.tree, self.acceptance, draft.factor)

@@ -82,6 +82,8 @@ class ActiveRequest:
     """One per output token, when the request asks for them."""
     rules: RequestRules | None = None
     """Its penalties, grammar and logprobs (None: it asks for none)."""
+    prefill_left: int = 0
+    """Prompt tokens still to prefill (chunked prefill), before it decodes."""
 
     @property
     def request_id(self) -> str:

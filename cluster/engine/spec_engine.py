@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from actors.target_worker import RequestFailed
+from actors.target_worker import Admission, Preempted, PrefillChunk, RequestFailed
 from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
@@ -102,6 +102,14 @@ class SpecEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.waiting: deque[GenerationRequest] = deque()
+        self.preempted: deque[ActiveRequest] = deque()
+        """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
+        self._room_after_refusal = False
+        """The target refused an admission for want of KV blocks: offer no more until blocks are freed."""
+        self._prefilling: list[str] = []
+        """Admitted requests whose prompts are still being prefilled chunk by chunk, in admission order."""
+        self.kv_cache_usage: float | None = None
+        """Fraction of the target's KV blocks held, as its last admission reported (None before one)."""
         self.active: dict[str, ActiveRequest] = {}
         self.counters = EngineCounters()
         self._pending_drafts: dict[int, _PendingDraft] = {}
@@ -138,15 +146,25 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.preempted or self.active)
+
+    @property
+    def decoding(self) -> int:
+        """Requests running past their prefill."""
+        return len(self.active) - len(self._prefilling)
 
     @property
     def queue_depth(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.preempted)
 
     def abort(self, request_id: str) -> GenerationOutput | None:
         """Drop a request wherever it is, freeing its caches (a cancelled client)."""
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        resumable = next((s for s in self.preempted if s.request_id == request_id), None)
+        if resumable is not None:
+            self.preempted.remove(resumable)
+            resumable.finish_reason = "abort"
+            return resumable.final_output()
         state = self.active.get(request_id)
         if state is None:
             return None
@@ -160,29 +178,57 @@ class SpecEngine:
         return 2 if self.config.pipeline else 1
 
     def _admit(self) -> list[StepEvent]:
-        admitted = []
-        while self.waiting and len(self.active) + len(admitted) < self.config.max_sequences:
+        """Offer the target the requests that may start (set-back ones first); it admits those its KV
+        cache has room for and gives the rest back (`_check_starts`)."""
+        if self._room_after_refusal:
+            return []
+        resumed, admitted = [], []
+        while self.preempted and len(self.active) + len(resumed) < self.config.max_sequences:
+            resumed.append(self.preempted.popleft())
+        while self.waiting and len(self.active) + len(resumed) + len(admitted) < self.config.max_sequences:
             admitted.append(self.waiting.popleft())
-        if not admitted:
+        if not admitted and not resumed:
             return []
         now = time.perf_counter()
+        offered = [(s.request_id, list(s.tokens), s.request.sampling, s.request.cache_scope) for s in resumed]
+        offered += [(r.request_id, r.prompt_ids, r.sampling, r.cache_scope) for r in admitted]
         # no wait: the worker runs calls in order, so the prefill lands before the next verify
         try:
-            start = self.target.submit("start", [(r.request_id, r.prompt_ids, r.sampling) for r in admitted])
+            start = self.target.submit("start", offered, *(() if self._chunk_tokens is None else (False,)))
         except Exception as error:  # a dead target: the requests become active below, then fail with it
             start, refused = None, error
         else:
-            self._pending_starts.append((start, [r.request_id for r in admitted]))
+            self._pending_starts.append((start, [request_id for request_id, *_ in offered]))
         for request in admitted:
-            sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
             gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
-            state = ActiveRequest(request, make_policy(request.lookahead or self.config.lookahead), gate,
-                                  sizes.index(min(sizes)), OutputText(self.tokenizer, request.stop),
-                                  list(request.prompt_ids), started=now)
+            state = ActiveRequest(request, make_policy(request.lookahead or self.config.lookahead), gate, 0,
+                                  OutputText(self.tokenizer, request.stop), list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             state.rules = RequestRules.of(request)
-            self.active[request.request_id] = state
+            resumed.append(state)
+        for state in resumed:
+            sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
+            state.group = sizes.index(min(sizes))
+            self.active[state.request_id] = state
         return [] if start is not None else self._target_failed(refused)
+
+    @property
+    def _chunk_tokens(self) -> int | None:
+        return self.config.prefill_chunk_tokens
+
+    def _set_back(self, state: ActiveRequest) -> None:
+        """Return an active request to the queues: its drafters forget it, its tokens so far stay."""
+        self.active.pop(state.request_id)
+        self._forget_prefill(state)
+        self._hidden.drop(state.request_id)
+        for drafter, sent in zip(self.drafters, self._sent):
+            _tell(drafter, "release", [state.request_id], [], [])
+            sent.forget([state.request_id])
+        if state.output:
+            self.preempted.append(state)
+            self.preempted = deque(sorted(self.preempted, key=lambda s: s.started))
+        else:
+            self.waiting.appendleft(state.request)
 
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
@@ -257,23 +303,24 @@ class SpecEngine:
         state.stats.grammar_pruned += pruned
         return tree
 
-    def _plan(self, states: list[ActiveRequest], trees: list[DraftTree]) -> list[DraftTree]:
+    def _plan(self, states: list[ActiveRequest], trees: list[DraftTree], chunks: list[tuple[str, int]]) -> list[DraftTree]:
         """Trees cut to what pays this step (all of them verified as drafted without a planner). A
-        request's own lookahead only bounded what was drafted; the planner still keeps what pays."""
-        if self.planner is None:
+        request's own lookahead only bounded what was drafted; the planner still keeps what pays,
+        counting the prompt chunks that share the pass."""
+        if self.planner is None or not trees:
             return trees
         return self.planner.trim([
             Planned(tree, trimmable=tree.draft_probs is None, factor=state.acceptance.factor)
             for state, tree in zip(states, trees)
-        ])
+        ], sum(count for _, count in chunks), len(chunks))
 
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
         events = []
         for future, request_ids in list(self._pending_starts):
             try:
-                prefilled = result_within(future, self.config.target_timeout_s, "the target's prefill")
-                for request_id, rows in (prefilled or {}).items():
+                admission: Admission = result_within(future, self.config.target_timeout_s, "the target's prefill")
+                for request_id, rows in (admission.hidden or {}).items():
                     self._hidden.add(request_id, 0, rows)
             except Exception as error:
                 if not isinstance(error, ValueError):  # dead or hung, not a refusal: every request goes with it
@@ -283,6 +330,21 @@ class SpecEngine:
                     state = self.active[request_id]
                     state.fail(f"prefill failed: {error}")
                     events.append(self._finished_event(state))
+                continue
+            for request_id, cached in admission.cached_tokens.items():
+                state = self.active[request_id]
+                self.counters.prompt_tokens += len(state.tokens)
+                self.counters.cached_prompt_tokens += cached
+                if not state.output:
+                    state.stats.cached_prompt_tokens = cached
+                if self._chunk_tokens is not None:
+                    state.prefill_left = len(state.tokens) - 1 - cached
+                    self._prefilling.append(request_id)
+            if admission.total_blocks:
+                self.kv_cache_usage = 1 - admission.free_blocks / admission.total_blocks
+            for request_id in reversed(admission.refused):
+                self._set_back(self.active[request_id])
+            self._room_after_refusal = bool(admission.refused)
         self._pending_starts.clear()
         return events
 
@@ -295,18 +357,20 @@ class SpecEngine:
             return failed
         group = self._next_group
         self._next_group = (group + 1) % self._num_groups
-        states = [s for s in self.active.values() if s.group == group]
-        if not states:
+        states = self._decoding(group)
+        chunks, prefilled = self._next_chunks()
+        if not states and not chunks:
             return []
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
-        trees = self._plan(states, [self._pruned(s, t) for s, t in zip(states, drafted)])
+        trees = self._plan(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
         began = time.perf_counter()
-        verify = self.target.submit("verify", [_verify_item(s, t) for s, t in zip(states, trees)])
+        items = [_verify_item(s, t) for s, t in zip(states, trees)]
+        verify = self.target.submit("verify", items, *((chunks,) if chunks else ()))
         if self.config.pipeline:
             other = (group + 1) % self._num_groups
-            others = [s for s in self.active.values() if s.group == other]
+            others = self._decoding(other)
             if others:
                 drafted = self._submit_draft(other, others)
                 if drafted:
@@ -318,14 +382,64 @@ class SpecEngine:
         seconds = time.perf_counter() - began
         self.counters.steps += 1
         self.counters.verify_seconds += seconds
-        return [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
+        self._prefill_done(chunks, results[len(items):], prefilled)
+        events = [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
+        return [event for event in events if event is not None]
 
-    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed,
-               verify_seconds: float) -> StepEvent:
+    def _decoding(self, group: int) -> list[ActiveRequest]:
+        """The micro-batch's requests whose prompts are in the cache."""
+        return [s for s in self.active.values() if s.group == group and s.request_id not in self._prefilling]
+
+    def _next_chunks(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """This pass's prompt chunks, at most `prefill_chunk_tokens` in all, in admission order, and
+        the requests whose prefill they complete. A request waits for every earlier one to complete
+        (the blocks it found in the prefix cache may be theirs, still being filled)."""
+        budget, chunks, completed = self._chunk_tokens, [], []
+        for request_id in self._prefilling:
+            state = self.active[request_id]
+            count = min(state.prefill_left, budget)
+            chunks.append((request_id, count))  # 0 too: the target may preempt it to make room
+            budget -= count
+            if count == state.prefill_left and len(completed) == len(chunks) - 1:
+                completed.append(request_id)
+            else:
+                budget = 0
+        return chunks, completed
+
+    def _prefill_done(self, scheduled: list[tuple[str, int]], replies: list[PrefillChunk | Preempted],
+                      completed: list[str]) -> None:
+        for (request_id, count), reply in zip(scheduled, replies):
+            state = self.active[request_id]
+            if isinstance(reply, Preempted):
+                self._preempted(state)
+                continue
+            state.prefill_left -= count
+            if reply.hidden is not None:
+                self._hidden.add(request_id, reply.start, reply.hidden)
+        for request_id in completed:
+            if request_id in self._prefilling:
+                self._prefilling.remove(request_id)
+
+    def _preempted(self, state: ActiveRequest) -> None:
+        """The KV cache was full: the target freed the request's blocks; it resumes once there is room."""
+        self.counters.preemptions += 1
+        state.stats.preemptions += 1
+        self._set_back(state)
+        self._room_after_refusal = False
+
+    def _forget_prefill(self, state: ActiveRequest) -> None:
+        if state.request_id in self._prefilling:
+            self._prefilling.remove(state.request_id)
+
+    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted,
+               verify_seconds: float) -> StepEvent | None:
         state.stats.verify_seconds += verify_seconds
         if isinstance(result, RequestFailed):  # this request alone; its neighbours keep their output
             state.fail(result.reason)
             return self._finished_event(state)
+        if isinstance(result, Preempted):
+            self._preempted(state)
+            return None
         self.counters.request_passes += 1
         accepted = len(result.accepted_tokens)
         state.stats.record(tree.depths[1:], accepted)
@@ -376,9 +490,13 @@ class SpecEngine:
 
     def _refuse_waiting(self) -> list[StepEvent]:
         """While the target is down, waiting requests end at once with a retryable error."""
-        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, f"{TARGET_UNAVAILABLE} ({self.unavailable})"))
-                   for r in self.waiting]
+        reason = f"{TARGET_UNAVAILABLE} ({self.unavailable})"
+        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in self.waiting]
+        for state in self.preempted:
+            state.fail(reason)
+            refused.append(StepEvent(state.request_id, [], state.final_output(), state.text.finish()))
         self.waiting.clear()
+        self.preempted.clear()
         return refused
 
     @property
@@ -390,6 +508,7 @@ class SpecEngine:
         """End every active request with a retryable error (waiting requests stay queued)."""
         self._pending_drafts.clear()
         self._pending_starts.clear()
+        self._prefilling.clear()
         events = []
         for state in list(self.active.values()):
             state.fail(reason)
@@ -406,6 +525,8 @@ class SpecEngine:
     def _finish(self, state: ActiveRequest, notify_target: bool = True) -> GenerationOutput:
         """Free the request's caches everywhere and build its output."""
         self.active.pop(state.request_id)
+        self._forget_prefill(state)
+        self._room_after_refusal = False
         self._hidden.drop(state.request_id)
         if notify_target:
             _tell(self.target, "finish", state.request_id)

@@ -26,6 +26,10 @@ class RequestStats:
     time_to_first_token: float | None = None
     grammar_pruned: int = 0
     """Drafted tokens the request's grammar ruled out before verification (not counted in `drafted`)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held at admission (not computed again)."""
+    preemptions: int = 0
+    """Times the KV cache ran out and the request was set back to the queue (resumed from its tokens)."""
 
     def record(self, drafted_depths: Sequence[int], accepted: int) -> None:
         """One verification pass: the depth of every drafted node (root excluded) and how many were accepted."""
@@ -53,6 +57,11 @@ class EngineCounters:
     """Drafted trees dropped before verification (wrong root, tokens outside the vocabulary, ...)."""
     target_failures: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens admitted (a resumed request's tokens so far included)."""
+    cached_prompt_tokens: int = 0
+    """Of those, the tokens the prefix cache held: cached / prompt is the prefix cache's hit rate."""
+    preemptions: int = 0
     request_passes: int = 0
     """Verification passes summed over requests (a step of 8 requests counts 8): tokens / request_passes
     is each request's mean accepted tokens per pass, which is what speculation buys it."""

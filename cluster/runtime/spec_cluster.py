@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import ray
+import torch
 
 from actors.draft_worker import DraftWorker
 from actors.model.loader import load_config, load_tokenizer, resolve_model
@@ -65,12 +66,14 @@ class SpecCluster:
         spec, engine_config = self.spec, self.spec.engine
         path = resolve_model(engine_config.model)  # convert once here, not in every actor
         self.tokenizer = load_tokenizer(path)
-        model_config = load_config(path)
+        self.model_config = model_config = load_config(path)
         self.placement = reserve(spec)
         try:
             draft_actor = ray.remote(DraftWorker)
             # every draft actor serves the requests of every target group: room for all of them
-            shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * spec.num_target_groups})
+            groups, dtype = spec.num_target_groups, getattr(torch, engine_config.dtype)
+            shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * groups,
+                                                      "kv_cache_bytes": engine_config.kv_budget(model_config, dtype) * groups})
             builder = functools.partial(_build_in_draft_actor, shared)
             self.drafters = [
                 RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(
@@ -113,7 +116,7 @@ class SpecCluster:
             attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
             hidden_layers=layers, hidden_dtype=dtype,
             build_drafter=functools.partial(_build_with_target, config) if colocated else None,
-            cpu_threads=config.cpu_threads,
+            cpu_threads=config.cpu_threads, cache=config.cache_options(self.model_config, getattr(torch, config.dtype)),
         )
 
     def _rebuild_target_group(self, group: int) -> TargetGroup:

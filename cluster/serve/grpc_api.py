@@ -106,7 +106,8 @@ def stats_message(stats: RequestStats, new_tokens: int) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         drafted=stats.drafted, accepted=stats.accepted, mean_accepted_tokens=stats.mean_accepted_tokens(new_tokens),
         target_forwards=stats.target_forwards, time_to_first_token_s=stats.time_to_first_token or 0.0,
-        grammar_pruned=stats.grammar_pruned,
+        grammar_pruned=stats.grammar_pruned, cached_prompt_tokens=stats.cached_prompt_tokens,
+        preemptions=stats.preemptions,
     )
 
 

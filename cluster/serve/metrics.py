@@ -3,7 +3,8 @@
 Per request: counts, tokens, time to first token, inter-token latency, drafted and accepted
 tokens and acceptance by draft position. Per replica, sampled every `SAMPLE_PERIOD_S`: queue
 depth, active requests, mean accepted tokens and the mean draft-wait and verify time of a step
-over the last period. The same sample feeds the autoscaling policy.
+over the last period, prompt tokens admitted and found in the prefix cache, preemptions, and the
+KV cache blocks in use. The same sample feeds the autoscaling policy.
 
 Mean accepted tokens is counted per request: a pass that verifies 8 requests and gains one token for
 each is 1 token per pass (plain decoding), not 8. Samples are taken by the replica's event loop and
@@ -36,7 +37,12 @@ NAMES = {
     "specserve_mean_accepted_tokens": "new tokens per request per verification pass over the last period",
     "specserve_draft_step_seconds": "mean time a step waited for its drafts over the last period",
     "specserve_verify_step_seconds": "mean time of a verification pass over the last period",
-    "specserve_queue_depth": "requests waiting for a KV cache slot",
+    "specserve_queue_depth": "requests waiting for KV cache room (preempted ones included)",
+    "specserve_prompt_tokens": "prompt tokens admitted (a resumed request's tokens so far included)",
+    "specserve_cached_prompt_tokens": "admitted prompt tokens whose KV the prefix cache held (the hit rate: "
+                                      "this over specserve_prompt_tokens)",
+    "specserve_preemptions": "requests set back to the queue because the KV cache ran out (resumed later)",
+    "specserve_kv_cache_usage": "fraction of KV cache blocks held by running requests, at the last admission",
     "specserve_active_requests": "requests being decoded",
     "specserve_drafter_failures": "draft calls that failed or timed out (kind=call) and drafted trees dropped as malformed "
                                   "(kind=bad_tree); each costs its requests one plain step",
@@ -62,6 +68,10 @@ class ServingMetrics:
         self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
         self.drafter_failures = Counter("specserve_drafter_failures", d["specserve_drafter_failures"], tag_keys=("kind",))
         self.target_failures = Counter("specserve_target_failures", d["specserve_target_failures"])
+        self.prompt_tokens = Counter("specserve_prompt_tokens", d["specserve_prompt_tokens"])
+        self.cached_prompt_tokens = Counter("specserve_cached_prompt_tokens", d["specserve_cached_prompt_tokens"])
+        self.preemptions = Counter("specserve_preemptions", d["specserve_preemptions"])
+        self.kv_usage = Gauge("specserve_kv_cache_usage", d["specserve_kv_cache_usage"])
         self._last = EngineCounters()
         self._lock = threading.Lock()
         self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "queue_wait_s": 0.0, "tokens_per_step": 1.0}
@@ -102,10 +112,16 @@ class ServingMetrics:
             draft_failures=sum(e.counters.draft_failures for e in engines),
             bad_trees=sum(e.counters.bad_trees for e in engines),
             target_failures=sum(e.counters.target_failures for e in engines),
+            prompt_tokens=sum(e.counters.prompt_tokens for e in engines),
+            cached_prompt_tokens=sum(e.counters.cached_prompt_tokens for e in engines),
+            preemptions=sum(e.counters.preemptions for e in engines),
         )
         for counter, tags, change in ((self.drafter_failures, {"kind": "call"}, now.draft_failures - self._last.draft_failures),
                                       (self.drafter_failures, {"kind": "bad_tree"}, now.bad_trees - self._last.bad_trees),
-                                      (self.target_failures, None, now.target_failures - self._last.target_failures)):
+                                      (self.target_failures, None, now.target_failures - self._last.target_failures),
+                                      (self.prompt_tokens, None, now.prompt_tokens - self._last.prompt_tokens),
+                                      (self.cached_prompt_tokens, None, now.cached_prompt_tokens - self._last.cached_prompt_tokens),
+                                      (self.preemptions, None, now.preemptions - self._last.preemptions)):
             if change > 0:
                 counter.inc(change, tags=tags)
         steps = now.steps - self._last.steps
@@ -118,6 +134,9 @@ class ServingMetrics:
         queued = sum(e.queue_depth for e in engines)
         ongoing = sum(loop.load for loop in loops)
         self.queue_depth.set(queued)
+        usage = [e.kv_cache_usage for e in engines if e.kv_cache_usage is not None]
+        if usage:
+            self.kv_usage.set(sum(usage) / len(usage))
         self.active.set(ongoing - queued)
         self._last = now
         self.latest = {"ongoing": float(ongoing), "queued": float(queued),
@@ -127,7 +146,7 @@ class ServingMetrics:
 
 
 def _longest_wait(engine) -> float:
-    """Seconds the oldest request waiting for a KV slot has waited (read from another thread: one
+    """Seconds the oldest request waiting for KV cache room has waited (read from another thread: one
     indexing of the deque, which the GIL keeps whole)."""
     try:
         return time.perf_counter() - engine.waiting[0].arrival_time

@@ -310,10 +310,12 @@ class ResponseShape:
 
 
 def usage(choices: list[GenerationOutput], prompt_tokens: int) -> dict:
-    """The prompt once (its prefill is shared) and every choice's tokens."""
+    """The prompt once (its prefill is shared) and every choice's tokens; as OpenAI reports it, the
+    prompt tokens found in the prefix cache (the fewest any choice found)."""
     completion_tokens = sum(len(output.token_ids) for output in choices)
+    cached = min((output.stats.cached_prompt_tokens for output in choices), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculation_stats(outputs: list[GenerationOutput]) -> dict:
@@ -325,7 +327,7 @@ def speculation_stats(outputs: list[GenerationOutput]) -> dict:
     first = min((s.time_to_first_token for s in stats if s.time_to_first_token is not None), default=None)
     return {"drafted": sum(s.drafted for s in stats), "accepted": sum(s.accepted for s in stats),
             "mean_accepted_tokens": mean_accepted_tokens(tokens, forwards), "target_forwards": forwards,
-            "grammar_pruned": sum(s.grammar_pruned for s in stats),
+            "grammar_pruned": sum(s.grammar_pruned for s in stats), "preemptions": sum(s.preemptions for s in stats),
             "time_to_first_token_s": first, "time_to_first_token": first}
 
 

@@ -37,7 +37,7 @@ def test_prefill_and_verification_return_the_committed_tokens_rows(tiny_model):
     capture = (1, 2, LAYERS)
     worker = TargetWorker(model, 2, 128, hidden_layers=capture, hidden_dtype=torch.float32)
     prompt = [3, 17, 42, 5, 9]
-    prefill = worker.start([("a", prompt, SamplingParams())])["a"]
+    prefill = worker.start([("a", prompt, SamplingParams())]).hidden["a"]
     assert prefill.dtype == torch.float32 and prefill.shape == (len(prompt) - 1, 3 * 32)
     greedy = worker.verify([("a", DraftTree.root_only(prompt[-1]))])[0]
     first = greedy.next_token
@@ -54,5 +54,5 @@ def test_prefill_and_verification_return_the_committed_tokens_rows(tiny_model):
 def test_a_target_without_a_head_sends_nothing(tiny_model):
     model, _ = tiny_model
     worker = TargetWorker(model, 1, 64)
-    assert worker.start([("a", [1, 2, 3], SamplingParams())]) is None
+    assert worker.start([("a", [1, 2, 3], SamplingParams())]).hidden is None
     assert worker.verify([("a", DraftTree.root_only(3))])[0].hidden is None

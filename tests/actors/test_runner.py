@@ -85,11 +85,14 @@ def test_mixed_lengths_in_one_packed_pass(tiny_model):
 
 def test_cache_limits_give_clear_errors(tiny_model):
     model, _ = tiny_model
-    runner = ModelRunner(model, 1, 8)
+    runner = ModelRunner(model, 1, 8, block_size=4)
     runner.add("s")
-    with pytest.raises(CacheFullError, match="slots"):
-        runner.add("t")
+    runner.add("t")
     with pytest.raises(CacheFullError, match="positions"):
         runner.forward([TreeInput("s", list(range(9)), chain_parents(9))])
+    runner.forward([TreeInput("s", list(range(8)), chain_parents(8))])
+    with pytest.raises(CacheFullError, match="blocks"):  # refused whole: nothing written, no scratch kept
+        runner.forward([TreeInput("t", [1], [-1])])
+    assert runner.scratch_size("t") == 0
     runner.remove("s")
-    runner.add("t")  # the slot is free again
+    runner.forward([TreeInput("t", [1], [-1])])  # its blocks are free again

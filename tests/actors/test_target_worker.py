@@ -1,10 +1,10 @@
-"""What the target worker adds for the API's features: one prefill for identical prompts admitted
+"""What the target worker adds for the API's features: shared blocks for identical prompts admitted
 together, shaped verification (penalties, grammar masks) and logprobs read from the same pass."""
 from __future__ import annotations
 
 import torch
 
-from actors.target_worker import TargetWorker
+from actors.target_worker import CacheOptions, TargetWorker
 from speculators.penalties import Penalties, PenaltyContext
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
@@ -15,15 +15,17 @@ PROMPT = [3, 7, 1, 9, 4, 4, 2]
 GREEDY = SamplingParams()
 
 
-def test_identical_prompts_admitted_together_share_one_prefill(tiny_model):
+def test_identical_prompts_admitted_together_share_their_full_blocks(tiny_model):
     model, _ = tiny_model
-    worker = TargetWorker(model, max_sequences=4, max_len=64)
+    worker = TargetWorker(model, max_sequences=4, max_len=64, cache=CacheOptions(block_size=4, prefix_caching=True))
     passes = []
     real_forward = worker.runner.forward_capturing
     worker.runner.forward_capturing = lambda inputs, capture=(): (passes.append([len(i.token_ids) for i in inputs])
                                                                   or real_forward(inputs, capture))
-    worker.start([("a", PROMPT, GREEDY), ("b", PROMPT, GREEDY), ("c", [5, 6, 2], GREEDY), ("d", PROMPT, GREEDY)])
-    assert passes == [[len(PROMPT) - 1, 2]]  # one prefill of PROMPT, one of the other prompt
+    admission = worker.start([("a", PROMPT, GREEDY, ""), ("b", PROMPT, GREEDY, ""), ("c", [5, 6, 2], GREEDY, ""),
+                              ("d", PROMPT, GREEDY, "")])
+    assert passes == [[len(PROMPT) - 1, 2, 2, 2]]  # a's first block of 4 serves b and d in the same pass
+    assert admission.cached_tokens == {"a": 0, "b": 4, "c": 0, "d": 4}
     alone = TargetWorker(model, max_sequences=1, max_len=64)
     alone.start([("x", PROMPT, GREEDY)])
     tree = DraftTree([2, 8, 8], [-1, 0, 1])

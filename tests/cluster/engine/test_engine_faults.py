@@ -260,10 +260,10 @@ def test_a_prefill_the_worker_refuses_fails_only_its_requests(tiny_model, plain)
     worker = TargetWorker(tiny_model[0], 4, 256)
     real_start = worker.start
 
-    def start(batch):
-        if any(request_id == "r1" for request_id, _, _ in batch):
+    def start(batch, *args):
+        if any(request_id == "r1" for request_id, *_ in batch):
             raise ValueError("request 'r1' refused")
-        return real_start(batch)
+        return real_start(batch, *args)
 
     worker.start = start
     engine = SpecEngine(LocalWorker(worker), IdTokenizer(), [], CONFIG.model_copy(update={"max_sequences": 1}),

@@ -105,7 +105,7 @@ def test_the_hybrid_drafts_from_suffix_decoding_where_the_text_repeats_and_from_
     hybrid = HybridProposer(SuffixProposer(), head_proposer("eagle3", model))
     target = TargetWorker(model, max_sequences=2, max_len=64, hidden_layers=hybrid.hidden_layers)
     prompts = {"repeats": [5, 6, 7, 8, 9] * 4, "fresh": [11, 12, 13, 14, 15]}
-    rows = target.start([(name, tokens, SamplingParams()) for name, tokens in prompts.items()])
+    rows = target.start([(name, tokens, SamplingParams()) for name, tokens in prompts.items()]).hidden
     requests = [DraftRequest(name, tokens, 6, 16, hidden=TargetHidden(0, rows[name])) for name, tokens in prompts.items()]
     alone = SuffixProposer().propose(requests)
     assert expected_accepted(alone[0]) >= 1.0 > expected_accepted(alone[1])
@@ -124,7 +124,7 @@ def test_the_hybrid_runs_the_head_only_when_it_drafts_and_hands_it_the_rows_it_m
     hybrid.head.propose = lambda requests: asked.append([r.request_id for r in requests]) or propose(requests)
     target = TargetWorker(model, max_sequences=1, max_len=64, hidden_layers=hybrid.hidden_layers)
     tokens = [5, 6, 7, 8, 9] * 4 + [20, 21, 22]
-    rows = target.start([("r", tokens, SamplingParams())])["r"]  # every committed token's row but the root's
+    rows = target.start([("r", tokens, SamplingParams())]).hidden["r"]  # every committed token's row but the root's
     repeat = hybrid.propose([DraftRequest("r", tokens[:20], 6, 16, hidden=TargetHidden(0, rows[:19]))])[0]
     assert expected_accepted(repeat) >= 1.0 and not asked
     fresh = hybrid.propose([DraftRequest("r", tokens, 6, 16, hidden=TargetHidden(19, rows[19:]))])[0]
@@ -144,7 +144,8 @@ def test_sampled_output_with_a_head_follows_the_target(kind):
     counts = np.zeros((8, 8))
     for start in range(0, samples, batch):
         proposer = head_proposer(kind, model, vocab=8, draft_vocab=6)
-        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16))
+        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
+                                                                                       kv_cache_bytes=batch * 16 * model.kv_bytes_per_position()))
         requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]

@@ -37,9 +37,11 @@ def make_proposer(kind: str, model, slots: int):
 
 
 def run_engine(model, proposer, prompts, lookahead=LookaheadConfig(), sampling=SamplingParams(), slots=4,
-               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False, cost=False, **features):
-    """`features`: further GenerationRequest fields (penalties, logprobs)."""
-    config = SchedulerConfig(max_sequences=slots, max_len=256, max_tree_nodes=max_tree_nodes, pipeline=pipeline)
+               max_new_tokens=NEW_TOKENS, max_tree_nodes=32, pipeline=False, cost=False, cache=None, **features):
+    """`features`: further GenerationRequest fields (penalties, logprobs); `cache`: SchedulerConfig's
+    KV cache fields (kv_cache_bytes, block_size, max_len)."""
+    config = SchedulerConfig(**{"max_sequences": slots, "max_len": 256, "max_tree_nodes": max_tree_nodes,
+                                "pipeline": pipeline, **(cache or {})})
     engine = local_engine(model, IdTokenizer(), proposer, config, cost=cost)
     requests = [GenerationRequest(f"r{i}", p, sampling, max_new_tokens, lookahead=lookahead, **features)
                 for i, p in enumerate(prompts)]
@@ -118,6 +120,33 @@ def test_requests_joining_mid_flight_and_a_tight_budget(tiny_model, plain_output
     assert max(o.stats.drafted / o.stats.target_forwards for o in outputs) <= 2
 
 
+SHARED = list(range(10, 40))
+"""A prompt prefix several requests share (a system prompt): 7 full blocks of 4."""
+
+
+@pytest.mark.parametrize("kind", ["suffix", "draft-tree"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
+def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, chunk):
+    """A KV cache of 24 blocks of 4 for requests of up to 62 positions each: requests share cached
+    prompt blocks (chunked: blocks an earlier prompt is still filling), wait for blocks, and are
+    preempted and resumed mid-output. Every output is what the request gets alone in a roomy cache
+    with whole prefills: greedy, and seeded sampling (keyed noise) alike."""
+    model, _ = tiny_model
+    prompts = [SHARED + [1, 2], SHARED + [5], SHARED[:20] + [9, 9, 9], [7, 8, 9], SHARED + [1, 2, 3]]
+    sampling = SamplingParams(temperature=1.0, seed=7) if sampled else SamplingParams()
+    tight = {"kv_cache_bytes": 24 * 4 * model.kv_bytes_per_position(), "block_size": 4, "max_len": 96,
+             "prefill_chunk_tokens": chunk}
+    alone = [run_engine(model, make_proposer(kind, model, 1), [p], sampling=sampling, slots=1,
+                        cache={"prefill_chunk_tokens": None})[0] for p in prompts]
+    outputs = run_engine(model, make_proposer(kind, model, 8), prompts, sampling=sampling, slots=8, cache=tight,
+                         cache_scope="tenant")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
+    assert sum(o.stats.preemptions for o in outputs) > 0
+    assert outputs[1].stats.cached_prompt_tokens == 28 and outputs[0].stats.cached_prompt_tokens in (0, 28)
+    assert sum(o.stats.accepted for o in outputs) > 0
+
+
 def test_max_new_tokens_and_eos_stop_exactly(tiny_model, plain_outputs):
     model, _ = tiny_model
     outputs = run_engine(model, make_proposer("pld", model, 4), PROMPTS, max_new_tokens=5)
@@ -184,7 +213,8 @@ def test_sampled_output_follows_the_target(width):
     counts = np.zeros((8, 8))
     for start in range(0, samples, batch):
         proposer = DraftModelProposer(ModelRunner(draft, batch, 16), width=width)
-        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16))
+        engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
+                                                                                       kv_cache_bytes=batch * 16 * model.kv_bytes_per_position()))
         requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]

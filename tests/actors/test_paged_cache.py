@@ -1,0 +1,134 @@
+"""The paged KV cache: where blocks go, prefix reuse, copy before a shared block is written, and
+admission and preemption in the target worker, each checked against the model run alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.model.block_pool import BlockPool, CacheFullError
+from actors.model.runner import ModelRunner
+from actors.target_worker import CacheOptions, Preempted, TargetWorker
+from speculators.proposers.base import TreeInput
+from speculators.sampling import SamplingParams
+from speculators.tree import DraftTree, chain_parents
+
+GREEDY = SamplingParams()
+
+
+def logits_alone(model, ids):
+    runner = ModelRunner(model, 1, 128)
+    runner.add("s")
+    return runner.forward([TreeInput("s", ids, chain_parents(len(ids)))])[0]
+
+
+def prefill(runner, seq_id, tokens):
+    runner.forward([TreeInput(seq_id, tokens, chain_parents(len(tokens)), logits="none")])
+    runner.commit(seq_id, range(len(tokens)))
+
+
+def test_pool_keeps_sequences_in_runs_and_evicts_only_what_nobody_holds():
+    pool = BlockPool(16)
+    first = pool.allocate()
+    assert first == 0 and pool.allocate(first) == 1  # grows in place
+    second = pool.allocate()
+    assert second == 8  # the middle of the largest gap: room to grow on both sides
+    assert pool.allocate(second) == 9
+    pool.register(1, b"k")
+    pool.release(1)  # cached, held by nobody: still available, still found
+    assert pool.available == 16 - 3 and pool.lookup(b"k") == 1 and pool.holders(1) == 1
+    pool.release(1)
+    taken = [pool.allocate() for _ in range(12)]  # every truly free block first
+    assert 1 not in taken and pool.available == 1
+    assert pool.allocate() == 1 and pool.lookup(b"k") is None  # then the least recently used cached one
+    with pytest.raises(CacheFullError, match="blocks"):
+        pool.allocate()
+
+
+def test_fragmented_sequences_attend_like_the_model_alone(tiny_model):
+    model, _ = tiny_model
+    runner = ModelRunner(model, 1, 128, kv_blocks=10, block_size=4)
+    tokens = {seq_id: [] for seq_id in "abcd"}
+
+    def grow(seq_id, count):
+        new = [(len(tokens[seq_id]) * 7 + ord(seq_id)) % 60 for _ in range(count)]
+        tokens[seq_id] += new
+        prefill(runner, seq_id, new)
+
+    for seq_id in tokens:  # four sequences spread over the pool, each grown into its neighbour block
+        runner.add(seq_id)
+        grow(seq_id, 4)
+    for seq_id in tokens:
+        grow(seq_id, 4)
+    runner.remove("d")
+    del tokens["d"]
+    for seq_id in tokens:
+        grow(seq_id, 3)
+    assert len(runner.cache.runs(runner._sequences["a"].blocks, 11)) == 2  # its next block was taken
+    tree = DraftTree([2, 8, 9, 4], [-1, 0, 0, 1])
+    logits = runner.forward([TreeInput("a", tree.token_ids, tree.parents)])[0]
+    assert len(runner.cache.runs(runner._sequences["a"].blocks, 15)) == 2
+    for path in tree.paths:
+        expected = logits_alone(model, tokens["a"] + [tree.token_ids[n] for n in path])[len(tokens["a"]):]
+        torch.testing.assert_close(logits[path], expected, rtol=1e-9, atol=1e-9)
+    runner.truncate("a", 11)
+    got = runner.forward([TreeInput(s, [5], [-1]) for s in tokens])  # fragmented and whole ones in one pass
+    for seq_id, row in zip(tokens, got):
+        torch.testing.assert_close(row, logits_alone(model, tokens[seq_id] + [5])[-1:], rtol=1e-9, atol=1e-9)
+
+
+def test_a_cached_prefix_is_reused_in_its_scope_only_and_copied_before_a_rewrite(tiny_model):
+    model, _ = tiny_model
+    runner = ModelRunner(model, 1, 128, kv_blocks=16, block_size=4, prefix_caching=True)
+    prompt = [3, 7, 1, 9, 4, 4, 2, 8, 5, 6]
+    runner.add("a", "tenant-1")
+    prefill(runner, "a", prompt)
+    runner.add("b", "tenant-1")
+    runner.add("c", "tenant-2")
+    assert runner.reuse_prefix("b", prompt + [1]) == 8 and runner.reuse_prefix("c", prompt) == 0
+    assert runner._sequences["b"].blocks == runner._sequences["a"].blocks[:2]
+    prefill(runner, "b", prompt[8:] + [1])
+    runner.remove("a")  # its full blocks stay cached
+    runner.add("d", "tenant-1")
+    assert runner.reuse_prefix("d", prompt) == 8
+    prefill(runner, "d", prompt[8:])
+    runner.truncate("d", 6)  # back into a shared block: d gets its own copy, b keeps its K/V
+    assert runner._sequences["d"].blocks[1] != runner._sequences["b"].blocks[1]
+    prefill(runner, "d", [11, 12])
+    tree = DraftTree([2, 8], [-1, 0])
+    got = runner.forward([TreeInput(s, tree.token_ids, tree.parents) for s in "bd"])
+    for tokens, logits in zip((prompt + [1], prompt[:6] + [11, 12]), got):
+        torch.testing.assert_close(logits, logits_alone(model, tokens + tree.token_ids)[len(tokens):], rtol=1e-9, atol=1e-9)
+
+
+def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
+    model, _ = tiny_model
+    worker = TargetWorker(model, 8, 64, cache=CacheOptions(blocks=8, block_size=4, prefix_caching=True))
+    admission = worker.start([("a", list(range(1, 14)), GREEDY, "t"), ("b", list(range(21, 34)), GREEDY, "t"),
+                              ("c", list(range(41, 54)), GREEDY, "t")])
+    assert admission.refused == ["c"] and admission.cached_tokens == {"a": 0, "b": 0}
+    assert worker.start([("c", list(range(1, 15)), GREEDY)]).refused == ["c"]  # no scope: a's blocks are not its
+    again = worker.start([("c", list(range(1, 15)), GREEDY, "t")])  # a's prompt prefix: one new block for it
+    assert again.refused == [] and again.cached_tokens == {"c": 12}
+    trees = [(s, DraftTree([t] + [5] * 6, chain_parents(7))) for s, t in (("a", 13), ("b", 33), ("c", 14))]
+    results = worker.verify(trees)  # 5 more blocks wanted, 1 free: c, then b, give theirs up
+    assert isinstance(results[1], Preempted) and isinstance(results[2], Preempted) and len(results[0].new_tokens) >= 1
+    assert not worker.runner.has("b") and not worker.runner.has("c")
+    resumed = worker.start([("b", list(range(21, 34)), GREEDY, "t")])  # its own blocks are still cached
+    assert resumed.cached_tokens == {"b": 12}
+
+
+def test_chunked_prefill_computes_what_one_pass_does(tiny_model):
+    model, _ = tiny_model
+    prompt = list(range(1, 40))
+    whole = TargetWorker(model, 2, 64)
+    whole.start([("a", prompt, GREEDY)])
+    chunked = TargetWorker(model, 2, 64)
+    assert chunked.start([("a", prompt, GREEDY)], prefill=False).cached_tokens == {"a": 0}
+    for count in (16, 16, 6):
+        [done] = chunked.verify([], [("a", count)])
+        assert done.seq_id == "a" and chunked.runner.committed_length("a") == done.start + count
+    with pytest.raises(ValueError, match="left"):
+        chunked.verify([], [("a", 1)])
+    tree = DraftTree([39, 3, 4], [-1, 0, 1])
+    expected, got = (w.runner.forward([TreeInput("a", tree.token_ids, tree.parents)])[0] for w in (whole, chunked))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
