@@ -22,10 +22,9 @@ from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
-from actors.target_worker import Admission, CacheOptions, RequestFailed, TargetWorker
+from actors.target_worker import Admission, CacheOptions, PrefillChunk, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
-from speculators.sampling import SamplingParams
 from speculators.verify import VerifyResult
 
 
@@ -94,8 +93,8 @@ class TargetShard:
         self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs, hidden_layers,
                                    getattr(torch, hidden_dtype), self._cache)
 
-    def start(self, requests: Sequence[tuple]) -> Admission:
-        admission = self.worker.start(requests)
+    def start(self, requests: Sequence[tuple], prefill: bool = True) -> Admission:
+        admission = self.worker.start(requests, prefill)
         if self.drafter is not None:
             admission.hidden = self.drafter.keep_prefill(admission.hidden)
         return admission
@@ -103,8 +102,11 @@ class TargetShard:
     def kv_capacity(self) -> tuple[int, int]:
         return self.worker.kv_capacity()
 
-    def verify(self, batch: Sequence[tuple]) -> list[VerifyResult | RequestFailed]:
-        results = self.worker.verify(batch)
+    def block_tables(self) -> dict[str, list[int]]:
+        return self.worker.runner.block_tables()
+
+    def verify(self, batch: Sequence[tuple], prefill: Sequence[tuple[str, int]] = ()) -> list:
+        results = self.worker.verify(batch, prefill)
         if self.drafter is not None:
             self.drafter.keep_verified(batch, results, self.worker.runner)
         return results
@@ -147,13 +149,18 @@ class ColocatedDrafter:
         for seq_id, rows in (hidden or {}).items():
             self.pending.add(seq_id, 0, rows)
 
-    def keep_verified(self, batch: Sequence[tuple], results: list[VerifyResult | RequestFailed], runner) -> None:
-        """`batch` as verified: (id, tree) or (id, tree, shaping) for a request with rules."""
+    def keep_verified(self, batch: Sequence[tuple], results: list, runner) -> None:
+        """`batch` as verified: (id, tree) or (id, tree, shaping) for a request with rules; the
+        results past the batch's are its prompt chunks."""
         for (seq_id, *_), result in zip(batch, results):
             if isinstance(result, VerifyResult) and result.hidden is not None:
                 root = runner.committed_length(seq_id) - len(result.accepted_nodes)
                 self.pending.add(seq_id, root, result.hidden)
                 result.hidden = None
+        for chunk in results[len(batch):]:
+            if isinstance(chunk, PrefillChunk) and chunk.hidden is not None:
+                self.pending.add(chunk.seq_id, chunk.start, chunk.hidden)
+                chunk.hidden = None
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "propose":

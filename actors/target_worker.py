@@ -68,8 +68,11 @@ class PrefillChunk:
 
 @dataclass
 class Preempted:
-    """In place of a VerifyResult: the KV cache had no room for this request's tree. Its blocks are
-    freed; the engine resumes it later from its tokens so far (mostly found in the prefix cache)."""
+    """In place of a VerifyResult, or after the results for a request still being prefilled: the KV
+    cache had no room. Its blocks are freed; the engine resumes it later from its tokens so far
+    (mostly found in the prefix cache)."""
+
+    seq_id: str = ""
 
 
 @dataclass
@@ -107,15 +110,12 @@ class TargetWorker:
         """Admit requests, each (id, prompt, SamplingParams) or (id, prompt, SamplingParams, cache
         scope), in order while they fit, and prefill every prompt token but the last (the first
         tree's root) that the prefix cache does not hold, all in one pass; or, without `prefill`,
-        keep the prompts for `verify` to prefill chunk by chunk (chunked prefill: the caller asks
-        for chunks in admission order, so a prompt reusing blocks of an earlier one is prefilled
-        no sooner than those blocks).
+        keep the prompts for `verify` to prefill chunk by chunk (chunked prefill). A prompt's
+        blocks are taken at admission; they become findable by later prompts as they are filled.
 
         A request is admitted when its blocks leave a watermark of 1% of the blocks free (room for
         running requests to grow; past that `verify` preempts); the first that does not fit and
-        every later one are refused. A request admitted after another with the same prompt prefix in the same scope
-        (the `n` samples of one call, a shared system prompt) shares its full blocks in this very
-        pass: each layer writes every new token's K/V before any token attends."""
+        every later one are refused."""
         for seq_id, prompt, *_ in requests:
             if not prompt:
                 raise ValueError(f"request {seq_id!r} has an empty prompt")
@@ -157,7 +157,7 @@ class TargetWorker:
         if self._sampling and needed + runner.pool.num_blocks // 100 + 1 > runner.pool.available:
             runner.remove(seq_id)
             return False
-        runner.reserve(seq_id, prompt[:-1])
+        runner.reserve(seq_id, len(prompt) - 1)
         return True
 
     @property
@@ -168,13 +168,14 @@ class TargetWorker:
                prefill: Sequence[tuple[str, int]] = ()) -> list[VerifyResult | RequestFailed | Preempted | PrefillChunk]:
         """Each item is (request id, tree) or (request id, tree, Shaping): a request's penalties,
         grammar mask and logprobs for this pass. `prefill`: (request id, tokens) chunks of prompts
-        admitted without prefill, run in the same pass; a PrefillChunk for each follows the results."""
+        admitted without prefill, run in the same pass. After the results: a PrefillChunk for each
+        chunk run, and a Preempted for each prompt still being prefilled that gave its blocks up."""
         everything = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in batch]
-        preempted = self._make_room(everything, [seq_id for seq_id, _ in prefill])
+        preempted = self._make_room(everything)
         items = [item for item in everything if item[0] not in preempted]
         inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id, shaping))
                   for seq_id, tree, shaping in items]
-        chunks = [self._chunk(seq_id, count) for seq_id, count in prefill if seq_id not in preempted]
+        chunks = [self._chunk(seq_id, count) for seq_id, count in prefill if seq_id not in preempted and count]
         all_logits, all_hidden = self.runner.forward_capturing(inputs + chunks, self.hidden_layers)
         done = self._commit_chunks(chunks, all_hidden[len(inputs):])
         results = self._decide(items, all_logits[:len(inputs)])
@@ -185,9 +186,9 @@ class TargetWorker:
             self.runner.commit(seq_id, result.accepted_nodes)
             if self._sends_hidden:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
-        decided, prefilled = iter(results), iter(done)
-        return ([Preempted() if seq_id in preempted else next(decided) for seq_id, _, _ in everything]
-                + [Preempted() if seq_id in preempted else next(prefilled) for seq_id, _ in prefill])
+        decided, in_batch = iter(results), {seq_id for seq_id, _, _ in everything}
+        return ([Preempted(seq_id) if seq_id in preempted else next(decided) for seq_id, _, _ in everything]
+                + done + [Preempted(seq_id) for seq_id in preempted if seq_id not in in_batch])
 
     def _chunk(self, seq_id: str, count: int) -> TreeInput:
         """The next `count` tokens of a prompt still to prefill."""
@@ -207,18 +208,21 @@ class TargetWorker:
             done.append(PrefillChunk(chunk.seq_id, start, rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
         return done
 
-    def _make_room(self, items: Sequence[tuple[str, DraftTree, Shaping | None]], prefilling: Sequence[str]) -> set[str]:
-        """Free the newest requests of the call (prompts being prefilled included: their blocks are
-        taken) until every other tree fits; the ids freed. The oldest one is always kept."""
-        runner, preempted = self.runner, set()
+    def _make_room(self, items: Sequence[tuple[str, DraftTree, Shaping | None]]) -> list[str]:
+        """Free the newest requests of the call and the newest prompts still being prefilled until
+        every other tree fits; the ids freed, newest first. The oldest candidate is always kept."""
+        runner = self.runner
         needed = {seq_id: runner.blocks_to_grow(seq_id, tree.size) for seq_id, tree, _ in items}
-        admitted = list(self._sampling)
-        newest_first = sorted([*needed, *prefilling], key=admitted.index, reverse=True)
+        if sum(needed.values()) <= runner.pool.available:
+            return []
+        order = {seq_id: index for index, seq_id in enumerate(self._sampling)}
+        newest_first = sorted({*needed, *self._prompts}, key=order.__getitem__, reverse=True)
+        preempted = []
         while sum(needed.values()) > runner.pool.available and len(newest_first) > 1:
             victim = newest_first.pop(0)
             self.finish(victim)
             needed.pop(victim, None)
-            preempted.add(victim)
+            preempted.append(victim)
         return preempted
 
     def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:

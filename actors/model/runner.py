@@ -6,10 +6,10 @@ position (committed length + depth) and attention mask (committed prefix + its s
 and packs every sequence of a call into one forward pass.
 
 Blocks follow use: a call takes the blocks its new tokens need, a commit gives back those past the
-committed length (rejected tree nodes cost nothing afterwards). With `prefix_caching`, each full
-committed block is registered under a hash chained over its tokens, its prefix and the
-sequence's cache scope, so a later sequence with the same prefix in the same scope (`reuse_prefix`)
-holds the same blocks instead of computing them. A block a sequence still writes (at or past its
+committed length (rejected tree nodes cost nothing afterwards) unless they are reserved for a
+prompt still being prefilled. With `prefix_caching`, each full committed block is registered under
+a hash chained over its tokens, its prefix and the sequence's cache scope, so a later sequence with
+the same prefix in the same scope (`reuse_prefix`) holds the same blocks instead of computing them. A block a sequence still writes (at or past its
 committed length) is never shared: shared blocks are full, and rolling back into one copies it first.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class _SequenceState:
     tokens: list[int] = field(default_factory=list)
     """The committed token ids (kept while prefix caching, to hash full blocks)."""
     keys: list[bytes] = field(default_factory=list)
-    """The chained hash of each full committed (or reserved) block so far."""
+    """The chained hash of each full committed block so far."""
     reserved: int = 0
     """Positions whose blocks it keeps past its committed length (a prompt still being prefilled)."""
     scratch_tokens: list[int] = field(default_factory=list)
@@ -108,6 +108,10 @@ class ModelRunner:
         state.length = len(state.blocks) * size
         state.tokens = list(tokens[: state.length])
         return state.length
+
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every sequence's blocks, in order (what the ranks of a group must agree on)."""
+        return {seq_id: list(state.blocks) for seq_id, state in self._sequences.items()}
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._sequences
@@ -216,16 +220,14 @@ class ModelRunner:
         state.length += len(nodes)
         self._clear_scratch(state)
         self._release_from(state, self.cache.blocks_for(max(state.length, state.reserved)))
-        self._register_full_blocks(state, state.tokens)
+        self._register_full_blocks(state)
 
-    def reserve(self, seq_id: str, tokens: Sequence[int]) -> None:
-        """Take the blocks that committing `tokens` (the sequence from position 0) will fill, and
-        register the full ones now: a sequence added later may share them in the same pass, since
-        each layer writes every new token's K/V before any token attends."""
+    def reserve(self, seq_id: str, positions: int) -> None:
+        """Take the blocks of the sequence's first `positions` positions now and keep them until they
+        are committed (a prompt prefilled over several passes)."""
         state = self._sequences[seq_id]
-        self._grow(state, len(tokens))
-        state.reserved = len(tokens)
-        self._register_full_blocks(state, tokens)
+        self._grow(state, positions)
+        state.reserved = positions
 
     def truncate(self, seq_id: str, length: int) -> None:
         state = self._sequences[seq_id]
@@ -242,8 +244,9 @@ class ModelRunner:
 
     def _grow(self, state: _SequenceState, end: int) -> None:
         """Blocks for positions up to `end`, each next to the one before when it is free."""
-        while len(state.blocks) < self.cache.blocks_for(end):
-            state.blocks.append(self.pool.allocate(state.blocks[-1] if state.blocks else None))
+        wanted = self.cache.blocks_for(end) - len(state.blocks)
+        for taken in range(wanted):
+            state.blocks.append(self.pool.allocate(state.blocks[-1] if state.blocks else None, wanted - taken))
 
     def _release_from(self, state: _SequenceState, keep: int) -> None:
         """Give back the sequence's blocks past the first `keep`."""
@@ -258,13 +261,15 @@ class ModelRunner:
         self.cache.copy_block(old, state.blocks[index])
         self.pool.release(old)
 
-    def _register_full_blocks(self, state: _SequenceState, tokens: Sequence[int]) -> None:
-        """Register the blocks `tokens` (the sequence from position 0) fill, past those already registered."""
+    def _register_full_blocks(self, state: _SequenceState) -> None:
+        """Register the blocks its committed tokens fill, past those already registered: only what
+        is computed is ever found (a block registered before it is filled could be found by a
+        sequence that outlives its writer)."""
         if state.scope is None:
             return
         size = self.cache.block_size
-        for index in range(len(state.keys), min(len(tokens) // size, len(state.blocks))):
-            key = _block_key(state.keys[-1] if state.keys else state.scope, tokens[index * size: (index + 1) * size])
+        for index in range(len(state.keys), state.length // size):
+            key = _block_key(state.keys[-1] if state.keys else state.scope, state.tokens[index * size: (index + 1) * size])
             self.pool.register(state.blocks[index], key)
             state.keys.append(key)
 

@@ -90,7 +90,8 @@ class Case:
     lookahead: LookaheadConfig = field(default_factory=FIXED.model_copy)
     groups: tuple[RequestGroup, ...] = (RequestGroup(),)
     engine: dict[str, Any] = field(default_factory=dict)
-    """Further EngineConfig fields (draft_width, pipeline)."""
+    """Further EngineConfig fields (draft_width, pipeline), and `kv_positions`: a KV cache of that
+    many positions instead of room for every request of the batch."""
     deployment: Deployment = IN_PROCESS
     core: bool = False
     """Sized so that a 1% shift in the first-token conditional is detected."""
@@ -121,6 +122,9 @@ DRAFTERS = {
 the paths of the separate tiny draft and of the random heads (engines.PLACEHOLDERS)."""
 
 TREE = {"draft_width": 3}
+TIGHT_KV = {"kv_positions": 32 * 32, "block_size": 4, "prefill_chunk_tokens": 6}
+"""A KV cache for 32 of the batch's 512 requests, prompts prefilled 6 tokens a pass: requests wait
+for blocks, find their prompt's blocks in the prefix cache, and are preempted and resumed."""
 
 
 def _mixed_batch() -> tuple[RequestGroup, ...]:
@@ -179,6 +183,8 @@ CASES = [
     # a mixed batch, and pipelining
     Case("mixed-batch-draft-tree", "draft", 40_000, groups=_mixed_batch(), engine={"draft_width": 2}),
     Case("draft-tree-pipelined", "draft", engine={**TREE, "pipeline": True}),
+    Case("draft-tree-tight-kv", "draft", engine={**TREE, **TIGHT_KV}),
+    Case("suffix-tree-tight-kv", "suffix", engine=TIGHT_KV),
     # Ray: tensor-parallel target shards and draft actors on fake GPUs
     Case("ray-tp2-layer-skip-tree", "layer-skip", engine={"draft_width": 2},
          deployment=Deployment(ray=True, tensor_parallel_size=2)),
@@ -203,6 +209,7 @@ CASES += [
         RequestGroup(GREEDY, penalties=PENALTIES, rule=ALTERNATION, share=0.1)), **KEYED),
     Case("keyed-mixed-batch-draft-tree", "draft", groups=_mixed_batch(), engine={"draft_width": 2}, **KEYED),
     Case("keyed-draft-tree-pipelined", "draft", engine={**TREE, "pipeline": True}, **KEYED),
+    Case("keyed-draft-tree-tight-kv", "draft", engine={**TREE, **TIGHT_KV}, **KEYED),
     Case("keyed-ray-tp2-eagle3-tree", "eagle3", engine=TREE, deployment=Deployment(ray=True, tensor_parallel_size=2),
          **KEYED),
     Case("keyed-ray-draft-actors-pipelined", "draft", engine={**TREE, "pipeline": True},

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from actors.model.loader import load_model, load_tokenizer
+from actors.model.kv_cache import KVCache
+from actors.model.loader import load_config, load_model, load_tokenizer
 from bench.lossless.cases import DRAFTERS, Case, RequestGroup
 from bench.lossless.target import VOCAB, TinyModels
 from cluster.engine.build import build_proposer, local_engine
@@ -33,6 +34,7 @@ CHUNK = 2 * BATCH
 """Requests handed to the engine at a time: twice the batch, so requests join mid-flight, and few
 enough that the engine's duplicate-id check over its queue stays cheap."""
 MAX_TREE_NODES = 16
+MAX_LEN = 32
 FIXED_BUDGET = BATCH * MAX_TREE_NODES
 """A step budget that verifies every tree as drafted (the planner off)."""
 RAY_TIMEOUT_S = 3600
@@ -54,6 +56,9 @@ class CaseRun:
     target_forwards: int
     differ_from_plain: int | None = None
     """Keyed cases: requests whose sequence differs from the same request's with speculation off."""
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache, over all requests."""
 
 
 PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir"}
@@ -62,13 +67,17 @@ PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<m
 
 def engine_config(case: Case, models: TinyModels) -> EngineConfig:
     """On Ray the planner is on, over the cost curve the cluster measures (as served); in this
-    process a fixed budget, or PLANNER_COST for the planned cases."""
+    process a fixed budget, or PLANNER_COST for the planned cases. The KV cache holds BATCH
+    sequences of MAX_LEN (float64 positions), or a case's `kv_positions`."""
     drafter = {key: str(getattr(models, PLACEHOLDERS[value])) if value in PLACEHOLDERS else value
                for key, value in DRAFTERS[case.drafter].items()}
+    engine = dict(case.engine)
+    model = load_config(models.target_dir)
+    position = KVCache.bytes_per_position(model.num_layers, model.num_kv_heads, model.head_dim, torch.float64)
     return EngineConfig(**{
-        "model": str(models.target_dir), "max_sequences": BATCH, "max_len": 32, "max_tree_nodes": MAX_TREE_NODES,
+        "model": str(models.target_dir), "max_sequences": BATCH, "max_len": MAX_LEN, "max_tree_nodes": MAX_TREE_NODES,
         "step_token_budget": None if case.deployment.ray else FIXED_BUDGET, "lookahead": case.lookahead,
-        **drafter, **case.engine,
+        "kv_cache_bytes": engine.pop("kv_positions", BATCH * MAX_LEN) * position, **drafter, **engine,
     })
 
 
@@ -121,7 +130,8 @@ def run_case(case: Case, models: TinyModels, samples: int,
     by_depth = [sum(column) for column in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)]
     differ = None if plain is None else sum(o.token_ids != p.token_ids for o, p in zip(outputs, plain))
     return CaseRun(counts, sum(s.drafted for s in stats), by_depth, sum(len(o.token_ids) for o in outputs),
-                   sum(s.target_forwards for s in stats), differ)
+                   sum(s.target_forwards for s in stats), differ, sum(s.preemptions for s in stats),
+                   sum(s.cached_prompt_tokens for s in stats))
 
 
 def _in_chunks(generate: Generate, batch: list[GenerationRequest]) -> list[GenerationOutput]:

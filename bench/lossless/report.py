@@ -49,7 +49,8 @@ def sample_case(case: Case, models: TinyModels, samples: int,
     speculation = {"seconds": round(time.perf_counter() - began, 1), "drafted": run.drafted,
                    "accepted": sum(run.accepted_by_depth), "accepted_by_depth": run.accepted_by_depth,
                    "mean_accepted_tokens": round(mean_accepted_tokens(run.tokens, run.target_forwards), 3),
-                   "differ_from_plain": run.differ_from_plain}
+                   "differ_from_plain": run.differ_from_plain, "preemptions": run.preemptions,
+                   "cached_prompt_tokens": run.cached_prompt_tokens}
     return groups, speculation
 
 
@@ -115,13 +116,16 @@ def markdown(report: dict) -> str:
              f"Alpha {report['alpha']} per case; detectable shift = mass moved between the two likeliest first tokens "
              f"that the case detects with probability {report['power']} (by depth: at the likeliest prefix).", "",
              "Keyed cases (seeded requests, noise keyed by seed and position) also ran every request with "
-             "speculation off: 'differ' counts the sequences that were not plain decoding's (must be 0).", "",
-             "| case | samples | X^2 | df | p | detectable shift | by depth | mean accepted tokens | differ | passed |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+             "speculation off: 'differ' counts the sequences that were not plain decoding's (must be 0). "
+             "'preempted / cached' counts the requests' preemptions and prompt tokens found in the prefix cache.", "",
+             "| case | samples | X^2 | df | p | detectable shift | by depth | mean accepted tokens | differ "
+             "| preempted / cached | passed |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for c in report["cases"]:
         lines.append(f"| {c['name']}{' (core)' * c['core']} | {c['samples']} | {c['statistic']} | {c['df']} "
                      f"| {c['p_value']:.3g} | {c['detectable_shift']} | {c['detectable_shift_by_depth']} "
-                     f"| {c['mean_accepted_tokens']} | {_dash(c.get('differ_from_plain'))} | {c['passed']} |")
+                     f"| {c['mean_accepted_tokens']} | {_dash(c.get('differ_from_plain'))} "
+                     f"| {c.get('preemptions', 0)} / {c.get('cached_prompt_tokens', 0)} | {c['passed']} |")
     lines += ["", "| negative control | cases (p) | caught |", "|---|---|---|"]
     for control in report["negative_controls"]:
         tried = ", ".join(f"{t['case']} (p {t['p_value']:.3g}"

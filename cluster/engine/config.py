@@ -48,9 +48,10 @@ class SchedulerConfig(BaseModel):
         "null: 8 x max_len positions of the target (e.g. 755 MB for SmolLM2-135M at max_len 2048)")
     block_size: int = Field(16, ge=1, le=256, description="positions per KV cache block (a power of two)")
     prefill_chunk_tokens: int | None = Field(
-        64, ge=1, description="chunked prefill: the most prompt tokens prefilled in one pass, packed into the same "
-        "pass as the running requests' verification trees (the planner counts them), so a long prompt does not "
-        "stall the streams already decoding; null: a whole prompt in the pass that admits it")
+        64, ge=1, description="chunked prefill: while requests are decoding, the most prompt tokens prefilled in one "
+        "pass, packed into the same pass as their verification trees (the planner counts them), so a long prompt "
+        "does not stall the streams already decoding (when none decodes, every waiting prompt is prefilled at once); "
+        "null: a whole prompt in the pass that admits it")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV cache blocks of a prompt prefix computed before in the same cache scope "
         "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa), which need every "

@@ -106,7 +106,7 @@ class SpecEngine:
         """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
         self._room_after_refusal = False
         """The target refused an admission for want of KV blocks: offer no more until blocks are freed."""
-        self._prefilling: list[str] = []
+        self._prefilling: dict[str, None] = {}
         """Admitted requests whose prompts are still being prefilled chunk by chunk, in admission order."""
         self.kv_cache_usage: float | None = None
         """Fraction of the target's KV blocks held, as its last admission reported (None before one)."""
@@ -339,7 +339,7 @@ class SpecEngine:
                     state.stats.cached_prompt_tokens = cached
                 if self._chunk_tokens is not None:
                     state.prefill_left = len(state.tokens) - 1 - cached
-                    self._prefilling.append(request_id)
+                    self._prefilling[request_id] = None
             if admission.total_blocks:
                 self.kv_cache_usage = 1 - admission.free_blocks / admission.total_blocks
             for request_id in reversed(admission.refused):
@@ -391,34 +391,39 @@ class SpecEngine:
         return [s for s in self.active.values() if s.group == group and s.request_id not in self._prefilling]
 
     def _next_chunks(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """This pass's prompt chunks, at most `prefill_chunk_tokens` in all, in admission order, and
-        the requests whose prefill they complete. A request waits for every earlier one to complete
-        (the blocks it found in the prefix cache may be theirs, still being filled)."""
-        budget, chunks, completed = self._chunk_tokens, [], []
+        """This pass's prompt chunks in admission order, and the requests whose prefill they
+        complete: at most `prefill_chunk_tokens` in all while any request decodes (a pass that holds
+        up streams stays short), every prompt waiting when none does (nobody to hold up)."""
+        budget = self._chunk_tokens if self.decoding else sum(self.active[r].prefill_left for r in self._prefilling)
+        chunks, completed = [], []
         for request_id in self._prefilling:
             state = self.active[request_id]
             count = min(state.prefill_left, budget)
-            chunks.append((request_id, count))  # 0 too: the target may preempt it to make room
-            budget -= count
-            if count == state.prefill_left and len(completed) == len(chunks) - 1:
-                completed.append(request_id)
-            else:
-                budget = 0
+            if count:
+                chunks.append((request_id, count))
+                budget -= count
+            if count < state.prefill_left:
+                break
+            completed.append(request_id)
         return chunks, completed
 
     def _prefill_done(self, scheduled: list[tuple[str, int]], replies: list[PrefillChunk | Preempted],
                       completed: list[str]) -> None:
-        for (request_id, count), reply in zip(scheduled, replies):
-            state = self.active[request_id]
+        """Chunks run (the rest of their prompts counted down) and prompts the target preempted."""
+        counts = dict(scheduled)
+        for reply in replies:
+            state = self.active.get(reply.seq_id)
+            if state is None:
+                continue
             if isinstance(reply, Preempted):
                 self._preempted(state)
                 continue
-            state.prefill_left -= count
+            state.prefill_left -= counts[reply.seq_id]
             if reply.hidden is not None:
-                self._hidden.add(request_id, reply.start, reply.hidden)
+                self._hidden.add(reply.seq_id, reply.start, reply.hidden)
         for request_id in completed:
-            if request_id in self._prefilling:
-                self._prefilling.remove(request_id)
+            if request_id in self.active:
+                self._prefilling.pop(request_id, None)
 
     def _preempted(self, state: ActiveRequest) -> None:
         """The KV cache was full: the target freed the request's blocks; it resumes once there is room."""
@@ -428,8 +433,7 @@ class SpecEngine:
         self._room_after_refusal = False
 
     def _forget_prefill(self, state: ActiveRequest) -> None:
-        if state.request_id in self._prefilling:
-            self._prefilling.remove(state.request_id)
+        self._prefilling.pop(state.request_id, None)
 
     def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted,
                verify_seconds: float) -> StepEvent | None:

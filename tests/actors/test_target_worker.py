@@ -1,5 +1,5 @@
-"""What the target worker adds for the API's features: shared blocks for identical prompts admitted
-together, shaped verification (penalties, grammar masks) and logprobs read from the same pass."""
+"""What the target worker adds for the API's features: a prompt's computed blocks reused by a later
+one, shaped verification (penalties, grammar masks) and logprobs read from the same pass."""
 from __future__ import annotations
 
 import torch
@@ -15,17 +15,17 @@ PROMPT = [3, 7, 1, 9, 4, 4, 2]
 GREEDY = SamplingParams()
 
 
-def test_identical_prompts_admitted_together_share_their_full_blocks(tiny_model):
+def test_a_prompt_admitted_later_reuses_the_computed_blocks_of_an_identical_one(tiny_model):
     model, _ = tiny_model
     worker = TargetWorker(model, max_sequences=4, max_len=64, cache=CacheOptions(block_size=4, prefix_caching=True))
     passes = []
     real_forward = worker.runner.forward_capturing
     worker.runner.forward_capturing = lambda inputs, capture=(): (passes.append([len(i.token_ids) for i in inputs])
                                                                   or real_forward(inputs, capture))
-    admission = worker.start([("a", PROMPT, GREEDY, ""), ("b", PROMPT, GREEDY, ""), ("c", [5, 6, 2], GREEDY, ""),
-                              ("d", PROMPT, GREEDY, "")])
-    assert passes == [[len(PROMPT) - 1, 2, 2, 2]]  # a's first block of 4 serves b and d in the same pass
-    assert admission.cached_tokens == {"a": 0, "b": 4, "c": 0, "d": 4}
+    worker.start([("a", PROMPT, GREEDY, ""), ("c", [5, 6, 2], GREEDY, "")])
+    admission = worker.start([("b", PROMPT, GREEDY, ""), ("d", PROMPT, GREEDY, "other scope")])
+    assert passes == [[len(PROMPT) - 1, 2], [2, len(PROMPT) - 1]]  # b finds a's full block of 4; d is not a's tenant
+    assert admission.cached_tokens == {"b": 4, "d": 0}
     alone = TargetWorker(model, max_sequences=1, max_len=64)
     alone.start([("x", PROMPT, GREEDY)])
     tree = DraftTree([2, 8, 8], [-1, 0, 1])

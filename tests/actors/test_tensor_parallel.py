@@ -16,7 +16,7 @@ from actors.model.llama import project
 from actors.model.loader import load_model
 from actors.model.sharding import ShardPlan
 from actors.target_group import TargetGroup
-from actors.target_worker import RequestFailed
+from actors.target_worker import CacheOptions, RequestFailed
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from tests.cluster.ray_fixtures import local_ray
@@ -78,7 +78,8 @@ def model(request):
     groups = {}
     try:
         for size in (1, 2):
-            groups[size] = TargetGroup(case.path, size, max_sequences=2, max_len=128, dtype=case.dtype)
+            groups[size] = TargetGroup(case.path, size, max_sequences=2, max_len=128, dtype=case.dtype,
+                                       cache=CacheOptions(block_size=4, prefix_caching=True))
         yield case, groups
     finally:
         for group in groups.values():
@@ -100,6 +101,27 @@ def greedy_decode(group: TargetGroup, seq_id: str, prompt: list[int], steps: int
         tokens += call(group, "verify", [(seq_id, tree)])[0].new_tokens
     call(group, "finish", seq_id)
     return tokens
+
+
+def test_every_rank_makes_the_same_block_decisions(model):
+    """Prefix reuse, a chunked prefill beside trees, rejected nodes given back, a finished request:
+    both ranks of the TP=2 group hold the same block tables, with nothing sent between them."""
+    import ray
+
+    case, groups = model
+    group, prompt = groups[2], case.prompt * 3
+    call(group, "start", [("p", prompt, SamplingParams(), "t")])
+    shared = (len(prompt) - 1) // 4 * 4  # p's full blocks of 4
+    assert call(group, "start", [("q", prompt + [5, 6], SamplingParams(), "t")]).cached_tokens == {"q": shared}
+    call(group, "start", [("r", prompt[::-1], SamplingParams(), "t")], False)
+    wide = DraftTree.from_paths(prompt[-1], [[1, 2, 3], [4, 5]])
+    call(group, "verify", [("p", wide), ("q", DraftTree.root_only(6))], [("r", 8)])
+    call(group, "verify", [("q", wide)], [("r", len(prompt) - 9)])
+    call(group, "finish", "p")
+    tables = ray.get([shard.block_tables.remote() for shard in group._shards])
+    assert tables[0] == tables[1] and set(tables[0]) == {"q", "r"}
+    for seq_id in "qr":
+        call(group, "finish", seq_id)
 
 
 def tree_at(step: int, reference: list[int], vocab_size: int) -> dict:

@@ -99,7 +99,7 @@ def test_drafter_and_target_failures_are_counted_once(monkeypatch):
     monkeypatch.setattr(metrics.drafter_failures, "inc", lambda n, tags=None: counted.append((tags["kind"], n)))
     monkeypatch.setattr(metrics.target_failures, "inc", lambda n, tags=None: counted.append(("target", n)))
     counters = EngineCounters(draft_failures=2, bad_trees=1, target_failures=1)
-    engine = SimpleNamespace(counters=counters, queue_depth=0, waiting=[])
+    engine = SimpleNamespace(counters=counters, queue_depth=0, waiting=[], kv_cache_usage=None)
     loop = SimpleNamespace(engine=engine, load=0)
     metrics.sample([loop])
     metrics.sample([loop])  # nothing new: nothing counted again
