@@ -357,8 +357,11 @@ class SpecEngine:
             return failed
         group = self._next_group
         self._next_group = (group + 1) % self._num_groups
-        states = self._decoding(group)
         chunks, prefilled = self._next_chunks()
+        if not chunks:  # prompts with nothing left to prefill (one token, or all cached) need no pass
+            self._prefill_done([], [], prefilled)
+            prefilled = []
+        states = self._decoding(group)
         if not states and not chunks:
             return []
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)

@@ -147,6 +147,19 @@ def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, c
     assert sum(o.stats.accepted for o in outputs) > 0
 
 
+def test_prompts_with_nothing_to_prefill_decode_too(tiny_model):
+    """A one-token prompt, and a prompt whose blocks are all cached, have no chunk to prefill."""
+    model, _ = tiny_model
+    prompts = [[5], SHARED[:9], SHARED[:9]]
+    expected = [run_engine(model, None, [p], cache={"prefill_chunk_tokens": None})[0].token_ids for p in prompts]
+    chunked = {"prefill_chunk_tokens": 4, "block_size": 4}
+    outputs = [run_engine(model, None, [p], cache=chunked)[0] for p in prompts[:2]]
+    engine = local_engine(model, IdTokenizer(), None, SchedulerConfig(max_len=64, **chunked))
+    first, again = (engine.generate([GenerationRequest(name, prompts[2], max_new_tokens=NEW_TOKENS)])[0] for name in "ab")
+    assert [o.token_ids for o in outputs] + [first.token_ids, again.token_ids] == expected + expected[2:]
+    assert again.stats.cached_prompt_tokens == 8
+
+
 def test_max_new_tokens_and_eos_stop_exactly(tiny_model, plain_outputs):
     model, _ = tiny_model
     outputs = run_engine(model, make_proposer("pld", model, 4), PROMPTS, max_new_tokens=5)
