@@ -126,7 +126,10 @@ class TargetWorker:
             if refused or not self._admit(seq_id, prompt, scope[0] if scope else None):
                 refused.append(seq_id)
                 continue
-            generator = None if sampling.greedy or sampling.keyed else sampling.generator(VERIFY_SALT, self.model.device)
+            # salted by where the request starts: one resumed after preemption (its tokens so far as the
+            # prompt) must not draw again the numbers it drew before (the drafter's salts are positive)
+            generator = (None if sampling.greedy or sampling.keyed
+                         else sampling.generator(VERIFY_SALT - len(prompt), self.model.device))
             self._sampling[seq_id] = (sampling, generator)
             cached[seq_id] = self.runner.committed_length(seq_id)
         if not prefill:
