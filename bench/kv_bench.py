@@ -185,7 +185,8 @@ def long_text(questions: list[dict], tokenizer, tokens: int) -> str:
 
 def shared_prefix(deployment: Deployment, questions: list[dict], args: argparse.Namespace, tokenizer) -> dict:
     system = "Answer using the reference material below.\n\n" + long_text(questions[100:], tokenizer, 1000)
-    asks = [[{"role": "system", "content": system}, *user(q["turns"][0])] for q in questions[:33]]
+    short = [q for q in questions[:100] if len(tokenizer.encode(q["turns"][0])) <= 150]  # within max_prompt_tokens
+    asks = [[{"role": "system", "content": system}, *user(q["turns"][0])] for q in short[:33]]
     results, texts = {}, {}
     for name, caching in (("on", True), ("off", False)):
         client = deployment.serve({"enable_prefix_caching": caching})
