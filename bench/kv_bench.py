@@ -229,11 +229,14 @@ def multi_turn(deployment: Deployment, questions: list[dict], args: argparse.Nam
 
 def interference(deployment: Deployment, questions: list[dict], args: argparse.Namespace, tokenizer) -> dict:
     streams = [user(q["turns"][0]) for q in questions[:8]]
-    documents = [user("Summarise:\n\n" + long_text(questions[40 + 20 * i:], tokenizer, 1450)) for i in range(4)]
-    results = {}
+    results, run = {}, 0
     for name, chunk in (("chunked", None), ("whole", {"prefill_chunk_tokens": None})):
         client = deployment.serve(chunk or {})
         for setting, extra in SETTINGS.items():
+            # documents of its own: ones sent before would be in the prefix cache, with nothing to prefill
+            documents = [user(f"Summarise (run {run}):\n\n" + long_text(questions[40 + 20 * i:], tokenizer, 1450))
+                         for i in range(4)]
+            run += 1
             arrivals: list[float] = []
 
             def arrive(extra=extra):
