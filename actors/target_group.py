@@ -99,9 +99,6 @@ class TargetShard:
             admission.hidden = self.drafter.keep_prefill(admission.hidden)
         return admission
 
-    def kv_capacity(self) -> tuple[int, int]:
-        return self.worker.kv_capacity()
-
     def block_tables(self) -> dict[str, list[int]]:
         return self.worker.runner.block_tables()
 

@@ -72,7 +72,7 @@ class Preempted:
     cache had no room. Its blocks are freed; the engine resumes it later from its tokens so far
     (mostly found in the prefix cache)."""
 
-    seq_id: str = ""
+    seq_id: str
 
 
 @dataclass
@@ -101,10 +101,6 @@ class TargetWorker:
     @property
     def max_len(self) -> int:
         return self.runner.max_len
-
-    def kv_capacity(self) -> tuple[int, int]:
-        """(blocks, positions per block) of the KV cache."""
-        return self.runner.pool.num_blocks, self.runner.cache.block_size
 
     def start(self, requests: Sequence[tuple], prefill: bool = True) -> Admission:
         """Admit requests, each (id, prompt, SamplingParams) or (id, prompt, SamplingParams, cache

@@ -38,16 +38,11 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._unheld: OrderedDict[int, None] = OrderedDict()
         """Cached blocks no sequence holds, least recently used first: free space that still answers lookups."""
-        self.hits = self.lookups = 0
 
     @property
     def available(self) -> int:
         """Blocks an allocation may take: free ones and cached ones nobody holds."""
         return self._num_free + len(self._unheld)
-
-    @property
-    def cached(self) -> int:
-        return len(self._block_of)
 
     def allocate(self, after: int | None = None, run: int = 1) -> int:
         """A block for one holder: the one right after `after` when free, else the first of `run`
@@ -93,11 +88,9 @@ class BlockPool:
 
     def lookup(self, key: bytes) -> int | None:
         """The block registered under `key`, held for the caller (None on a miss)."""
-        self.lookups += 1
         block = self._block_of.get(key)
         if block is None:
             return None
-        self.hits += 1
         self.hold(block)
         return block
 
