@@ -71,6 +71,10 @@ class ModelRunner:
         return self.cache.pool
 
     @property
+    def available_blocks(self) -> int:
+        return self.pool.available
+
+    @property
     def graphed_sizes(self) -> list[int]:
         """New-token counts whose one-sequence passes replay a CUDA graph (none when off)."""
         return sorted(self._pass.buckets) if isinstance(self._pass, GraphedForward) else []

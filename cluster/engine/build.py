@@ -62,7 +62,7 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
     target_config = target.config if target is not None else load_config(resolve_model(config.model))
     blocks = config.cache_options(target_config, dtype).blocks
     runner = ModelRunner(draft, config.max_sequences, config.max_len, config.cuda_graphs, kv_blocks=blocks,
-                         block_size=config.block_size)
+                         block_size=config.block_size, prefix_caching=config.enable_prefix_caching)
     return DraftModelProposer(runner, width=config.drafting_width())
 
 

@@ -103,7 +103,18 @@ class TreeModel(Protocol):
 
     vocab_size: int
 
-    def add(self, seq_id: str) -> None: ...
+    def add(self, seq_id: str, cache_scope: str | None = None) -> None:
+        """A new, empty sequence; its prefix may be shared with earlier ones of `cache_scope`."""
+
+    def reuse_prefix(self, seq_id: str, tokens: Sequence[int]) -> int:
+        """Take over the cached K/V of the longest shared prefix of `tokens`; how many tokens it holds."""
+
+    def blocks_to_grow(self, seq_id: str, new_tokens: int) -> int:
+        """KV cache blocks that writing `new_tokens` more tokens to the sequence would take."""
+
+    @property
+    def available_blocks(self) -> int:
+        """KV cache blocks free or held only by the prefix cache."""
 
     def remove(self, seq_id: str) -> None: ...
 

@@ -88,13 +88,42 @@ class DraftModelProposer(Proposer):
         self.model, self.width = model, width
         self._last_drafts: dict[str, tuple[DraftTree, dict[int, int]]] = {}
         """request id -> its last tree and that tree's scratch_of, to keep the accepted path's K/V."""
+        self._recent: dict[str, None] = {}
+        """Requests with a sequence in the draft's cache, least recently drafted first."""
+
+    def _fit(self, requests: Sequence[DraftRequest]) -> list[DraftRequest]:
+        """The requests whose catch-up and whole tree fit in the draft's KV cache now.
+
+        The draft's cache is only a cache (the worker keeps every request's tokens): room is made by
+        dropping the sequences of requests not in this call, least recently drafted first, which
+        catch up again when they return (from the prefix cache where it still holds their blocks).
+        A request that still does not fit drafts nothing this step instead of failing the call.
+        """
+        calling = {request.request_id for request in requests}
+        fitting, needed = [], 0
+        for request in requests:
+            request_id = request.request_id
+            if not self.model.has(request_id):
+                self.model.add(request_id, request.cache_scope)
+                self.model.reuse_prefix(request_id, request.token_ids[:-1])  # the root is always fed
+            self._recent.pop(request_id, None)
+            self._recent[request_id] = None
+            fresh = len(request.token_ids) - self.model.committed_length(request_id)
+            need = self.model.blocks_to_grow(request_id, fresh + request.max_nodes)
+            while needed + need > self.model.available_blocks:
+                idle = next((other for other in self._recent if other not in calling), None)
+                if idle is None:
+                    break
+                self.release(idle)
+            if needed + need <= self.model.available_blocks:
+                fitting.append(request)
+                needed += need
+        return fitting
 
     def _catch_up(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
         """Feed each request's not-yet-seen committed tokens; return the logits after its root."""
         inputs = []
         for request in requests:
-            if not self.model.has(request.request_id):
-                self.model.add(request.request_id)
             seen = self.model.committed_length(request.request_id)
             fresh = list(request.token_ids[seen:])
             inputs.append(TreeInput(request.request_id, fresh, chain_parents(len(fresh)), logits="last"))
@@ -104,6 +133,12 @@ class DraftModelProposer(Proposer):
         return [row[-1] for row in logits]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
+        fitting = self._fit(requests)
+        drafted = dict(zip([r.request_id for r in fitting], self._draft(fitting)))
+        return [drafted[r.request_id] if r.request_id in drafted else DraftTree.root_only(r.token_ids[-1])
+                for r in requests]
+
+    def _draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         if not requests:
             return []
         root_logits = self._catch_up(requests)
@@ -216,6 +251,7 @@ class DraftModelProposer(Proposer):
         if self.model.has(request_id):
             self.model.remove(request_id)
         self._last_drafts.pop(request_id, None)
+        self._recent.pop(request_id, None)
 
 
 def _to_host(choices: list[_Choice]):
