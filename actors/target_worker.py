@@ -63,6 +63,11 @@ class PrefillChunk:
     seq_id: str
     start: int
     """The chunk's first position."""
+    tokens: int
+    """Prompt tokens it ran (past `start`)."""
+    cached: int = 0
+    """Prompt tokens found in the prefix cache just before it (filled meanwhile by another prompt
+    with the same prefix) and not run: the prompt advanced by `cached + tokens`."""
     hidden: torch.Tensor | None = None
 
 
@@ -174,9 +179,14 @@ class TargetWorker:
         items = [item for item in everything if item[0] not in preempted]
         inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id, shaping))
                   for seq_id, tree, shaping in items]
-        chunks = [self._chunk(seq_id, count) for seq_id, count in prefill if seq_id not in preempted and count]
+        chunks, cached, filling = [], [], set()
+        for seq_id, count in prefill:
+            if seq_id not in preempted and count:
+                chunk, found = self._chunk(seq_id, count, filling)
+                chunks.append(chunk)
+                cached.append(found)
         all_logits, all_hidden = self.runner.forward_capturing(inputs + chunks, self.hidden_layers)
-        done = self._commit_chunks(chunks, all_hidden[len(inputs):])
+        done = self._commit_chunks(chunks, cached, all_hidden[len(inputs):])
         results = self._decide(items, all_logits[:len(inputs)])
         for (seq_id, _, _), result, rows in zip(items, results, all_hidden):
             if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
@@ -189,22 +199,36 @@ class TargetWorker:
         return ([Preempted(seq_id) if seq_id in preempted else next(decided) for seq_id, _, _ in everything]
                 + done + [Preempted(seq_id) for seq_id in preempted if seq_id not in in_batch])
 
-    def _chunk(self, seq_id: str, count: int) -> TreeInput:
-        """The next `count` tokens of a prompt still to prefill."""
-        start, prompt = self.runner.committed_length(seq_id), self._prompts.get(seq_id, ())
-        tokens = prompt[start: start + count]
-        if len(tokens) != count:
-            raise ValueError(f"request {seq_id!r} has {max(0, len(prompt) - start)} prompt tokens left, not {count}")
-        return TreeInput(seq_id, tokens, chain_parents(count), logits="none")
+    def _chunk(self, seq_id: str, count: int, filling: set[bytes]) -> tuple[TreeInput, int]:
+        """The next `count` tokens of a prompt still to prefill (at most what is left), after those
+        the prefix cache has gained since its admission (taken over, not run); and how many those are.
 
-    def _commit_chunks(self, chunks: Sequence[TreeInput], hidden: Sequence[torch.Tensor | None]) -> list[PrefillChunk]:
+        A chunk whose next block an earlier chunk of the pass fills (`filling`: their blocks' keys)
+        waits instead (no tokens): next pass it takes that block from the cache. Prompts with a
+        common prefix admitted together thus compute it once."""
+        runner = self.runner
+        start, prompt = runner.committed_length(seq_id), self._prompts.get(seq_id, ())
+        if count > len(prompt) - start:
+            raise ValueError(f"request {seq_id!r} has {max(0, len(prompt) - start)} prompt tokens left, not {count}")
+        cached = runner.reuse_prefix(seq_id, prompt)
+        start += cached
+        keys = runner.block_keys(seq_id, prompt, start + count)
+        if keys and keys[0] in filling and start % runner.cache.block_size == 0:
+            count = 0
+        filling.update(keys)
+        tokens = prompt[start: start + count]
+        return TreeInput(seq_id, tokens, chain_parents(len(tokens)), logits="none"), cached
+
+    def _commit_chunks(self, chunks: Sequence[TreeInput], cached: Sequence[int],
+                       hidden: Sequence[torch.Tensor | None]) -> list[PrefillChunk]:
         done = []
-        for chunk, rows in zip(chunks, hidden):
+        for chunk, found, rows in zip(chunks, cached, hidden):
             start = self.runner.committed_length(chunk.seq_id)
             self.runner.commit(chunk.seq_id, range(len(chunk.token_ids)))
             if start + len(chunk.token_ids) == len(self._prompts[chunk.seq_id]):
                 del self._prompts[chunk.seq_id]
-            done.append(PrefillChunk(chunk.seq_id, start, rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
+            done.append(PrefillChunk(chunk.seq_id, start, len(chunk.token_ids), found,
+                                     rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
         return done
 
     def _make_room(self, items: Sequence[tuple[str, DraftTree, Shaping | None]]) -> list[str]:

@@ -5,9 +5,10 @@ over HTTP in this process's Ray instance, once per variant of its engine setting
 client drives it (streamed chat completions, greedy), each scenario with speculation as deployed
 and with `"speculation": {"method": "off"}` on the same requests:
 
-- capacity: N Spec-Bench questions at once (N = 8, 16, 32, 64), the paged cache as deployed
-  against the same memory decoding 8 requests at once (`max_sequences: 8`: what the slot cache of
-  earlier releases allowed); output tokens/s over the wave. How many decode together is counted
+- capacity: N clients (N = 8, 16, 32, 64) asking 2N Spec-Bench questions between them, each client
+  sending its next question when its answer ends, the paged cache as deployed against the same
+  memory decoding 8 requests at once (`max_sequences: 8`: what the slot cache of earlier releases
+  allowed); output tokens/s over the round (a single wave of N would end with its slowest answer). How many decode together is counted
   in process (the engine's running requests at each step, 64 questions, plain decoding).
 - shared-prefix: 32 questions behind one ~1,000-token system prompt, all at once, after one
   request has put the prompt in the cache; prefix caching on and off: time to first token and the
@@ -20,8 +21,10 @@ and with `"speculation": {"method": "off"}` on the same requests:
   p99; a chunk carries one or more tokens).
 
 Requests present a bearer token, so they have a tenant and share its prefix cache
-(`limits.cache_sharing: tenant`), as any OpenAI client does. Greedy texts must be identical with
-and without speculation, and across variants.
+(`limits.cache_sharing: tenant`), as any OpenAI client does: one token for the speculative
+requests and another for the plain ones, so that neither finds prompts the other sent in the
+cache (the plain requests repeat the speculative ones' questions). Greedy texts must be identical
+with and without speculation, and across variants.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 SCENARIOS = ("capacity", "shared-prefix", "multi-turn", "interference")
 SETTINGS = {"speculative": {}, "plain": {"speculation": {"method": "off"}}}
 TENANT_TOKEN = "kv-bench"
-"""The bearer token every request presents: one tenant, so the prefix cache is shared."""
+"""The bearer tokens are this plus the setting's name: one tenant per setting (see the module docstring)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,11 +76,11 @@ class Client:
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
 
-    def chat(self, messages: list[dict], max_tokens: int, extra: dict) -> Reply:
+    def chat(self, messages: list[dict], max_tokens: int, setting: str) -> Reply:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **extra}
+                "stream": True, "stream_options": {"include_usage": True}, **SETTINGS[setting]}
         began, text, usage, arrivals = time.perf_counter(), "", {}, []
-        for now, event in stream_chat(self.url, body, TENANT_TOKEN, 1200):
+        for now, event in stream_chat(self.url, body, f"{TENANT_TOKEN}-{setting}", 1200):
             choices = event.get("choices") or []
             delta = choices[0].get("delta", {}).get("content") if choices else None
             if delta:
@@ -90,11 +93,12 @@ class Client:
         return Reply(text, usage.get("completion_tokens", 0), arrivals[0] - began, time.perf_counter() - began,
                      cached, arrivals)
 
-    def wave(self, conversations: list[list[dict]], max_tokens: int, extra: dict) -> tuple[list[Reply], float]:
-        """All at once; the replies in order and the wave's wall time."""
+    def wave(self, conversations: list[list[dict]], max_tokens: int, setting: str,
+             in_flight: int | None = None) -> tuple[list[Reply], float]:
+        """`in_flight` at a time (default: all at once); the replies in order and the wall time."""
         began = time.perf_counter()
-        with ThreadPoolExecutor(len(conversations)) as clients:
-            replies = list(clients.map(lambda messages: self.chat(messages, max_tokens, extra), conversations))
+        with ThreadPoolExecutor(in_flight or len(conversations)) as clients:
+            replies = list(clients.map(lambda messages: self.chat(messages, max_tokens, setting), conversations))
         return replies, time.perf_counter() - began
 
 
@@ -118,7 +122,7 @@ class Deployment:
         args["cluster"]["engine"].update(overrides)
         serve.run(build_app(args), name="kv-bench", route_prefix="/")
         client = Client(self.url, AppArgs.model_validate(args).served()[0].model_id)
-        client.chat(user("Hello"), 4, {})  # the first request pays lazy set-up
+        client.chat(user("Hello"), 4, "plain")  # the first request pays lazy set-up
         return client
 
 
@@ -131,11 +135,11 @@ def capacity(deployment: Deployment, questions: list[dict], args: argparse.Names
         client = deployment.serve(overrides)
         start = 0
         for level in levels:
-            chosen = questions[start: start + level]
-            start += level
+            chosen = questions[start: start + 2 * level]
+            start += 2 * level
             row = {}
-            for setting, extra in SETTINGS.items():
-                replies, seconds = client.wave([user(q["turns"][0]) for q in chosen], args.max_new_tokens, extra)
+            for setting in SETTINGS:
+                replies, seconds = client.wave([user(q["turns"][0]) for q in chosen], args.max_new_tokens, setting, level)
                 tokens = sum(r.tokens for r in replies)
                 row[setting] = {"tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 2),
                                 "ttft_p50_s": percentile([r.first_token_s for r in replies], 0.5)}
@@ -190,9 +194,9 @@ def shared_prefix(deployment: Deployment, questions: list[dict], args: argparse.
     results, texts = {}, {}
     for name, caching in (("on", True), ("off", False)):
         client = deployment.serve({"enable_prefix_caching": caching})
-        client.chat(asks[32], 4, {})  # the system prompt is now cached (when caching is on)
-        for setting, extra in SETTINGS.items():
-            replies, seconds = client.wave(asks[:32], 32, extra)
+        for setting in SETTINGS:
+            client.chat(asks[32], 4, setting)  # the system prompt is now cached (when caching is on)
+            replies, seconds = client.wave(asks[:32], 32, setting)
             results.setdefault(name, {})[setting] = {
                 "ttft_p50_s": round(percentile([r.first_token_s for r in replies], 0.5), 3),
                 "ttft_p99_s": round(percentile([r.first_token_s for r in replies], 0.99), 3),
@@ -213,11 +217,11 @@ def multi_turn(deployment: Deployment, questions: list[dict], args: argparse.Nam
     results, texts = {}, {}
     for name, caching in (("on", True), ("off", False)):
         client = deployment.serve({"enable_prefix_caching": caching})
-        for setting, extra in SETTINGS.items():
-            firsts, _ = client.wave([user(q["turns"][0]) for q in conversations], args.max_new_tokens, extra)
+        for setting in SETTINGS:
+            firsts, _ = client.wave([user(q["turns"][0]) for q in conversations], args.max_new_tokens, setting)
             seconds = [[*user(q["turns"][0]), {"role": "assistant", "content": first.text}, *user(q["turns"][1])]
                        for q, first in zip(conversations, firsts)]
-            replies, wall = client.wave(seconds, args.max_new_tokens, extra)
+            replies, wall = client.wave(seconds, args.max_new_tokens, setting)
             results.setdefault(name, {})[setting] = {
                 "ttft_p50_s": round(percentile([r.first_token_s for r in replies], 0.5), 3),
                 "seconds": round(wall, 2), "cached_tokens_median": statistics.median(r.cached_tokens for r in replies)}
@@ -232,22 +236,22 @@ def interference(deployment: Deployment, questions: list[dict], args: argparse.N
     results, run = {}, 0
     for name, chunk in (("chunked", None), ("whole", {"prefill_chunk_tokens": None})):
         client = deployment.serve(chunk or {})
-        for setting, extra in SETTINGS.items():
+        for setting in SETTINGS:
             # documents of its own: ones sent before would be in the prefix cache, with nothing to prefill
             documents = [user(f"Summarise (run {run}):\n\n" + long_text(questions[40 + 20 * i:], tokenizer, 1450))
                          for i in range(4)]
             run += 1
             arrivals: list[float] = []
 
-            def arrive(extra=extra):
+            def arrive(setting=setting):
                 for document in documents:
                     time.sleep(3.0)
                     arrivals.append(time.perf_counter())
-                    client.chat(document, 8, extra)
+                    client.chat(document, 8, setting)
 
             feeder = threading.Thread(target=arrive)
             feeder.start()
-            replies, _ = client.wave(streams, 256, extra)
+            replies, _ = client.wave(streams, 256, setting)
             feeder.join()
             window = (arrivals[0], arrivals[-1] + 10.0) if arrivals else (0.0, float("inf"))
             gaps = [b - a for r in replies for a, b in zip(r.arrivals, r.arrivals[1:]) if window[0] <= b <= window[1]]
@@ -269,7 +273,8 @@ def markdown(report: dict) -> str:
         lines += ["## Capacity", "",
                   f"In process, 64 Spec-Bench requests, plain decoding, default KV memory ({d['kv_cache_bytes'] / 2**20:.0f} MiB): "
                   f"at most {d['most_decoding_at_once']} decoded at once ({d['preemptions']} preemptions); the slot cache "
-                  f"decoded 8. Texts identical across settings and variants: {c['texts_identical']}.", "",
+                  f"decoded 8. Texts identical across settings and variants: {c['texts_identical']}. "
+                  f"Each level: N clients asking 2N questions between them.", "",
                   "| in flight | variant | plain tokens/s | speculative tokens/s | speedup |", "|---:|---|---:|---:|---:|"]
         for variant, rows in c["by_variant"].items():
             for level, row in rows.items():

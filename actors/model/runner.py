@@ -94,24 +94,51 @@ class ModelRunner:
             self._release_from(state, 0)
 
     def reuse_prefix(self, seq_id: str, tokens: Sequence[int]) -> int:
-        """Give an empty sequence the cached blocks of the longest prefix of `tokens` it shares with
-        earlier sequences of its scope (whole blocks only); returns how many tokens it now holds."""
+        """Give the sequence the cached blocks of `tokens` past its committed length, while whole
+        blocks of them are registered in its scope; returns how many tokens it gained.
+
+        On an empty sequence (admission) that is the longest cached prefix. On one whose prompt is
+        still being prefilled it is what other sequences have filled since: a prompt admitted beside
+        another with the same prefix takes the blocks the other computed instead of computing them
+        again. Its own blocks there are reserved and not yet written, and are given back."""
         state = self._sequences[seq_id]
-        if state.length or state.scratch_parents:
-            raise ValueError(f"sequence {seq_id!r} is not empty")
-        if state.scope is None:
-            return 0
+        if state.scratch_parents:
+            raise ValueError(f"sequence {seq_id!r} has uncommitted tokens")
         size = self.cache.block_size
-        for start in range(0, len(tokens) - size + 1, size):
-            key = _block_key(state.keys[-1] if state.keys else state.scope, tokens[start: start + size])
+        if state.length != len(state.keys) * size:
+            return 0
+        gained = 0
+        for key in self._keys_past(state, tokens, len(tokens)):
             block = self.pool.lookup(key)
             if block is None:
                 break
-            state.blocks.append(block)
+            index, start = len(state.keys), state.length
+            if index < len(state.blocks):
+                self.pool.release(state.blocks[index])
+                state.blocks[index] = block
+            else:
+                state.blocks.append(block)
             state.keys.append(key)
-        state.length = len(state.blocks) * size
-        state.tokens = list(tokens[: state.length])
-        return state.length
+            state.tokens.extend(tokens[start: start + size])
+            state.length += size
+            gained += size
+        return gained
+
+    def block_keys(self, seq_id: str, tokens: Sequence[int], end: int) -> list[bytes]:
+        """The keys its next blocks will be registered under once `tokens` (its whole sequence, the
+        prompt say) are committed up to position `end`: whole blocks past those it has registered;
+        none when it caches nothing."""
+        return self._keys_past(self._sequences[seq_id], tokens, end)
+
+    def _keys_past(self, state: _SequenceState, tokens: Sequence[int], end: int) -> list[bytes]:
+        if state.scope is None:
+            return []
+        size, keys = self.cache.block_size, []
+        parent = state.keys[-1] if state.keys else state.scope
+        for index in range(len(state.keys), min(end, len(tokens)) // size):
+            parent = _block_key(parent, tokens[index * size: (index + 1) * size])
+            keys.append(parent)
+        return keys
 
     def block_tables(self) -> dict[str, list[int]]:
         """Every sequence's blocks, in order (what the ranks of a group must agree on)."""
@@ -269,12 +296,8 @@ class ModelRunner:
         """Register the blocks its committed tokens fill, past those already registered: only what
         is computed is ever found (a block registered before it is filled could be found by a
         sequence that outlives its writer)."""
-        if state.scope is None:
-            return
-        size = self.cache.block_size
-        for index in range(len(state.keys), state.length // size):
-            key = _block_key(state.keys[-1] if state.keys else state.scope, state.tokens[index * size: (index + 1) * size])
-            self.pool.register(state.blocks[index], key)
+        for key in self._keys_past(state, state.tokens, state.length):
+            self.pool.register(state.blocks[len(state.keys)], key)
             state.keys.append(key)
 
     @staticmethod

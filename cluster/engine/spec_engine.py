@@ -357,10 +357,9 @@ class SpecEngine:
             return failed
         group = self._next_group
         self._next_group = (group + 1) % self._num_groups
-        chunks, prefilled = self._next_chunks()
+        chunks = self._next_chunks()
         if not chunks:  # prompts with nothing left to prefill (one token, or all cached) need no pass
-            self._prefill_done([], [], prefilled)
-            prefilled = []
+            self._prefill_done([])
         states = self._decoding(group)
         if not states and not chunks:
             return []
@@ -385,7 +384,7 @@ class SpecEngine:
         seconds = time.perf_counter() - began
         self.counters.steps += 1
         self.counters.verify_seconds += seconds
-        self._prefill_done(chunks, results[len(items):], prefilled)
+        self._prefill_done(results[len(items):])
         events = [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
         return [event for event in events if event is not None]
 
@@ -393,12 +392,12 @@ class SpecEngine:
         """The micro-batch's requests whose prompts are in the cache."""
         return [s for s in self.active.values() if s.group == group and s.request_id not in self._prefilling]
 
-    def _next_chunks(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """This pass's prompt chunks in admission order, and the requests whose prefill they
-        complete: at most `prefill_chunk_tokens` in all while any request decodes (a pass that holds
-        up streams stays short), every prompt waiting when none does (nobody to hold up)."""
+    def _next_chunks(self) -> list[tuple[str, int]]:
+        """This pass's prompt chunks in admission order: at most `prefill_chunk_tokens` in all while
+        any request decodes (a pass that holds up streams stays short), every prompt waiting when
+        none does (nobody to hold up)."""
         budget = self._chunk_tokens if self.decoding else sum(self.active[r].prefill_left for r in self._prefilling)
-        chunks, completed = [], []
+        chunks = []
         for request_id in self._prefilling:
             state = self.active[request_id]
             count = min(state.prefill_left, budget)
@@ -407,13 +406,11 @@ class SpecEngine:
                 budget -= count
             if count < state.prefill_left:
                 break
-            completed.append(request_id)
-        return chunks, completed
+        return chunks
 
-    def _prefill_done(self, scheduled: list[tuple[str, int]], replies: list[PrefillChunk | Preempted],
-                      completed: list[str]) -> None:
-        """Chunks run (the rest of their prompts counted down) and prompts the target preempted."""
-        counts = dict(scheduled)
+    def _prefill_done(self, replies: list[PrefillChunk | Preempted]) -> None:
+        """Chunks run (the rest of their prompts counted down, by what the prefix cache gave them
+        too) and prompts the target preempted; prompts with nothing left start decoding."""
         for reply in replies:
             state = self.active.get(reply.seq_id)
             if state is None:
@@ -421,12 +418,14 @@ class SpecEngine:
             if isinstance(reply, Preempted):
                 self._preempted(state)
                 continue
-            state.prefill_left -= counts[reply.seq_id]
+            state.prefill_left -= reply.cached + reply.tokens
+            self.counters.cached_prompt_tokens += reply.cached
+            if not state.output:
+                state.stats.cached_prompt_tokens += reply.cached
             if reply.hidden is not None:
                 self._hidden.add(reply.seq_id, reply.start, reply.hidden)
-        for request_id in completed:
-            if request_id in self.active:
-                self._prefilling.pop(request_id, None)
+        for request_id in [r for r in self._prefilling if self.active[r].prefill_left <= 0]:
+            self._prefilling.pop(request_id)
 
     def _preempted(self, state: ActiveRequest) -> None:
         """The KV cache was full: the target freed the request's blocks; it resumes once there is room."""

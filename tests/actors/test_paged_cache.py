@@ -132,3 +132,36 @@ def test_chunked_prefill_computes_what_one_pass_does(tiny_model):
     tree = DraftTree([39, 3, 4], [-1, 0, 1])
     expected, got = (w.runner.forward([TreeInput("a", tree.token_ids, tree.parents)])[0] for w in (whole, chunked))
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_a_prompt_admitted_beside_one_with_its_prefix_takes_the_blocks_the_other_fills(tiny_model):
+    model, _ = tiny_model
+    shared = list(range(1, 34))
+    worker = TargetWorker(model, 2, 64, cache=CacheOptions(blocks=32, block_size=8, prefix_caching=True))
+    admission = worker.start([("a", shared + [40, 41], GREEDY, "t"), ("b", shared + [50, 51], GREEDY, "t")],
+                             prefill=False)
+    assert admission.cached_tokens == {"a": 0, "b": 0}  # nothing computed yet
+    [first] = worker.verify([], [("a", 34)])
+    assert (first.start, first.tokens, first.cached) == (0, 34, 0)
+    [second] = worker.verify([], [("b", 20)])  # a filled 4 whole blocks of the shared prefix meanwhile
+    assert (second.start, second.tokens, second.cached) == (32, 2, 32)
+    assert worker.runner._sequences["b"].blocks[:4] == worker.runner._sequences["a"].blocks[:4]
+    assert worker.runner.committed_length("b") == 34 and "b" not in worker._prompts
+    tree = DraftTree([51, 3, 4], [-1, 0, 1])
+    got = worker.runner.forward([TreeInput("b", tree.token_ids, tree.parents)])[0]
+    torch.testing.assert_close(got, logits_alone(model, shared + [50, 51, 3, 4])[-3:], rtol=1e-9, atol=1e-9)
+
+
+def test_prompts_with_a_common_prefix_in_one_pass_compute_it_once(tiny_model):
+    model, _ = tiny_model
+    shared = list(range(1, 34))
+    worker = TargetWorker(model, 2, 64, cache=CacheOptions(blocks=32, block_size=8, prefix_caching=True))
+    prompts = {"a": shared + [40, 41], "b": shared + [50, 51], "c": [9] * 20}
+    worker.start([(seq_id, prompt, GREEDY, "t") for seq_id, prompt in prompts.items()], prefill=False)
+    first = worker.verify([], [("a", 34), ("b", 34), ("c", 19)])
+    assert [(c.seq_id, c.tokens, c.cached) for c in first] == [("a", 34, 0), ("b", 0, 0), ("c", 19, 0)]
+    [second] = worker.verify([], [("b", 34)])
+    assert (second.tokens, second.cached) == (2, 32)
+    tree = DraftTree([51, 3, 4], [-1, 0, 1])
+    got = worker.runner.forward([TreeInput("b", tree.token_ids, tree.parents)])[0]
+    torch.testing.assert_close(got, logits_alone(model, shared + [50, 51, 3, 4])[-3:], rtol=1e-9, atol=1e-9)

@@ -147,6 +147,18 @@ def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, c
     assert sum(o.stats.accepted for o in outputs) > 0
 
 
+def test_requests_arriving_together_compute_their_common_prefix_once(tiny_model):
+    """Admitted in one step, chunked: the first computes the 7 shared blocks, the others take them
+    from the prefix cache as they are filled; each output is what the request gets alone."""
+    model, _ = tiny_model
+    prompts = [SHARED + [1, 2], SHARED + [5], SHARED + [1, 2, 3]]
+    alone = [run_engine(model, None, [p], cache={"prefill_chunk_tokens": None})[0] for p in prompts]
+    outputs = run_engine(model, make_proposer("suffix", model, 8), prompts, cache_scope="tenant",
+                         cache={"block_size": 4, "prefill_chunk_tokens": 8})
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
+    assert [o.stats.cached_prompt_tokens for o in outputs] == [0, 28, 32]  # the third shares the first's 8th block too
+
+
 def test_prompts_with_nothing_to_prefill_decode_too(tiny_model):
     """A one-token prompt, and a prompt whose blocks are all cached, have no chunk to prefill."""
     model, _ = tiny_model
