@@ -10,9 +10,10 @@ and with `"speculation": {"method": "off"}` on the same requests:
   memory decoding 8 requests at once (`max_sequences: 8`: what the slot cache of earlier releases
   allowed); output tokens/s over the round (a single wave of N would end with its slowest answer). How many decode together is counted
   in process (the engine's running requests at each step, 64 questions, plain decoding).
-- shared-prefix: 32 questions behind one ~1,000-token system prompt, all at once, after one
-  request has put the prompt in the cache; prefix caching on and off: time to first token and the
-  wave's wall time, and the cached prompt tokens the server reports.
+- shared-prefix: 32 questions behind one ~1,000-token system prompt, all at once: prefix caching
+  on after one request has put the prompt in the cache ("on"), on with nothing cached before the
+  32 arrive ("together": computed once, by the first), and off: time to first token, the wave's
+  wall time, and the cached prompt tokens the server reports.
 - multi-turn: mt_bench conversations; each second turn is sent with the first turn and its answer
   as history (both turns through the server); prefix caching on and off: the second turns' time to
   first token.
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--levels", default="8,16,32,64", help="capacity: requests in flight, comma separated")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="capacity and multi-turn: max_tokens")
+    parser.add_argument("--prefix-variants", default="on,together,off",
+                        help="shared-prefix, comma separated: on (prefix caching, the system prompt put in the "
+                             "cache by one request first), together (prefix caching, all requests arriving at once "
+                             "with nothing cached), off (no prefix caching)")
     parser.add_argument("--port", type=int, default=8124, help="HTTP port of the app this run starts")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/kv-bench-<time>.json)")
 
@@ -114,12 +119,14 @@ class Deployment:
         self.url = f"http://127.0.0.1:{port}"
 
     def serve(self, overrides: dict) -> Client:
+        """A fresh deployment (empty caches, suffix index and cost statistics) with `overrides`."""
         from ray import serve
 
         from cluster.serve.app import AppArgs, build_app
 
         args = yaml.safe_load(yaml.safe_dump(self.app.get("args") or {}))
         args["cluster"]["engine"].update(overrides)
+        serve.delete("kv-bench")
         serve.run(build_app(args), name="kv-bench", route_prefix="/")
         client = Client(self.url, AppArgs.model_validate(args).served()[0].model_id)
         client.chat(user("Hello"), 4, "plain")  # the first request pays lazy set-up
@@ -192,10 +199,13 @@ def shared_prefix(deployment: Deployment, questions: list[dict], args: argparse.
     short = [q for q in questions[:100] if len(tokenizer.encode(q["turns"][0])) <= 150]  # within max_prompt_tokens
     asks = [[{"role": "system", "content": system}, *user(q["turns"][0])] for q in short[:33]]
     results, texts = {}, {}
-    for name, caching in (("on", True), ("off", False)):
+    variants = {"on": (True, True), "together": (True, False), "off": (False, True)}
+    for name in args.prefix_variants.split(","):
+        caching, warm = variants[name]
         client = deployment.serve({"enable_prefix_caching": caching})
         for setting in SETTINGS:
-            client.chat(asks[32], 4, setting)  # the system prompt is now cached (when caching is on)
+            if warm:
+                client.chat(asks[32], 4, setting)  # the system prompt is now cached (when caching is on)
             replies, seconds = client.wave(asks[:32], 32, setting)
             results.setdefault(name, {})[setting] = {
                 "ttft_p50_s": round(percentile([r.first_token_s for r in replies], 0.5), 3),
@@ -205,9 +215,11 @@ def shared_prefix(deployment: Deployment, questions: list[dict], args: argparse.
             texts[(name, setting)] = [r.text for r in replies]
             print(f"shared-prefix caching {name} {setting}: {results[name][setting]}", flush=True)
     system_tokens = len(tokenizer.encode(system))
-    for setting in SETTINGS:
-        on, off = results["on"][setting], results["off"][setting]
-        results.setdefault("ttft_ratio", {})[setting] = round(off["ttft_p50_s"] / on["ttft_p50_s"], 2)
+    for name, key in (("on", "ttft_ratio"), ("together", "ttft_ratio_together")):
+        for setting in SETTINGS:
+            if name in results and "off" in results:
+                ratio = results["off"][setting]["ttft_p50_s"] / results[name][setting]["ttft_p50_s"]
+                results.setdefault(key, {})[setting] = round(ratio, 2)
     return {"system_prompt_tokens": system_tokens, "by_caching": results,
             "texts_identical": len({tuple(v) for v in texts.values()}) == 1}
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from actors.model.split_attention import SplitBackend, accumulation_dtype, attention_with_lse, merge_by_lse
+from actors.model.split_attention import NEG_INF, SplitBackend, accumulation_dtype, merge_by_lse
 
 if TYPE_CHECKING:
     from actors.model.batch import PackedBatch, SequenceView
@@ -51,9 +51,10 @@ def _attend_sequence(q: torch.Tensor, view: SequenceView, cache: KVCache, layer:
     """One sequence's packed queries [n, heads, d] against its cached positions -> [n, heads * d].
 
     A sequence stored as one run of adjacent blocks (the usual case) is one SDPA call over a view.
-    A fragmented one attends each run of its committed prefix (no mask) through the CPU flash
-    kernel, which returns the log-sum-exp, and the rest (the new tokens, under the mask) gathered;
-    the parts are merged by log-sum-exp: exact, and still no copy of the history.
+    A fragmented one (a prefix shared with other requests, a block taken where its neighbour was
+    not free) attends each run through the CPU flash kernel, under the run's columns of the mask;
+    the kernel returns the log-sum-exp, by which the runs are merged: exact, with no copy of the
+    history.
     """
     query = q[view.rows].transpose(0, 1).unsqueeze(0)
     if len(view.runs) == 1:
@@ -75,21 +76,32 @@ def _attend_runs(query: torch.Tensor, view: SequenceView, cache: KVCache, layer:
     folded = query.reshape(1, kv_heads, heads // kv_heads * n, dim)  # a kv head's query heads as rows
     dtype = accumulation_dtype(query)
     out, lse = None, None
-    for logical, physical, length in view.runs:
-        length = min(length, view.prefix - logical)
-        if length <= 0:
-            break
+    for (_, physical, length), masked in zip(view.runs, _run_masks(view, query.dtype, heads // kv_heads)):
         part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             folded, cache.keys[layer, None, :, physical: physical + length],
-            cache.values[layer, None, :, physical: physical + length])
+            cache.values[layer, None, :, physical: physical + length], attn_mask=None if masked is None else masked[0])
+        if masked is not None:  # the kernel gives a row that sees nothing of the run lse 0, not -inf
+            part_lse = part_lse.masked_fill(~masked[1], NEG_INF)
         part, part_lse = part.reshape(1, heads, n, dim).to(dtype), part_lse.reshape(1, heads, n).to(dtype)
         out, lse = (part, part_lse) if out is None else (merge_by_lse(out, lse, part, part_lse), torch.logaddexp(lse, part_lse))
-    tail = torch.tensor(cache.physical(view.blocks, view.prefix, view.end), device=query.device)
-    mask = torch.ones(n, view.end, dtype=torch.bool, device=query.device) if view.mask is None else view.mask
-    part, part_lse = attention_with_lse(query, cache.keys[layer, None][:, :, tail], cache.values[layer, None][:, :, tail],
-                                        mask[None, :, view.prefix:])
-    out = part if out is None else merge_by_lse(out, lse, part, part_lse)
     return out.to(query.dtype)
+
+
+def _run_masks(view: SequenceView, dtype: torch.dtype, groups: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """For each run: None where every new token sees all of it, else the kernel's additive mask
+    [1, 1, groups x n, length] (rows as the folded query has them) and which rows see any of it."""
+    key = ("run masks", dtype, groups)
+    if key not in view.for_every_layer:
+        masks = []
+        for logical, _, length in view.runs:
+            allowed = None if view.mask is None else view.mask[:, logical: logical + length]
+            if allowed is None or bool(allowed.all()):
+                masks.append(None)
+                continue
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, NEG_INF)
+            masks.append((additive.repeat(groups, 1)[None, None], allowed.any(-1).repeat(groups)))
+        view.for_every_layer[key] = masks
+    return view.for_every_layer[key]
 
 
 _BACKENDS = {"sdpa": SdpaBackend, "split": SplitBackend}

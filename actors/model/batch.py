@@ -13,7 +13,7 @@ Attention sees them one of two ways:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -54,6 +54,8 @@ class SequenceView:
     end: int
     mask: torch.Tensor | None
     prefix: int
+    for_every_layer: dict = field(default_factory=dict)
+    """What attention derives from the view once and reuses in every layer of the pass."""
 
 
 class PackedBatch:
