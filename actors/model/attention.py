@@ -47,61 +47,79 @@ class SdpaBackend:
         ))
 
 
+LONG_RUN = 128
+"""Runs of adjacent storage at least this long are attended where they lie; shorter ones are
+gathered into one part (copying a few blocks costs less than a kernel call and a merge each)."""
+
+
 def _attend_sequence(q: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
     """One sequence's packed queries [n, heads, d] against its cached positions -> [n, heads * d].
 
-    A sequence stored as one run of adjacent blocks (the usual case) is one SDPA call over a view.
-    A fragmented one (a prefix shared with other requests, a block taken where its neighbour was
-    not free) attends each run through the CPU flash kernel, under the run's columns of the mask;
-    the kernel returns the log-sum-exp, by which the runs are merged: exact, with no copy of the
-    history.
+    A sequence stored as one run of adjacent blocks is one SDPA call over a view. A fragmented one
+    (a prefix shared with other requests, blocks taken wherever the pool had them in a long-running
+    server) is attended in parts through the CPU flash kernel, each under its columns of the mask:
+    each long run in place, the short runs gathered into one part. The kernel returns the
+    log-sum-exp, by which the parts are merged: exact, and a long history is never copied.
     """
     query = q[view.rows].transpose(0, 1).unsqueeze(0)
-    if len(view.runs) == 1:
+    if len(view.runs) > 1 and query.device.type == "cpu":
+        attended = _attend_parts(query, view, cache, layer)
+    else:  # one run: a view; fragmented on a GPU (one sequence in the pass): gathered, as the padded path does
         _, start, length = view.runs[0]
-        keys = cache.keys[layer, None, :, start: start + length]
-        values = cache.values[layer, None, :, start: start + length]
+        storage = (slice(start, start + length) if len(view.runs) == 1
+                   else cache.index(view.blocks, view.end).to(query.device))
+        keys, values = cache.keys[layer][:, storage][None], cache.values[layer][:, storage][None]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
             enable_gqa=query.shape[1] != keys.shape[1],
         )
-    else:
-        attended = _attend_runs(query, view, cache, layer)
     return attended[0].transpose(0, 1).reshape(query.shape[2], -1)
 
 
-def _attend_runs(query: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
+def _attend_parts(query: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:
     heads, n, dim = query.shape[1:]
     kv_heads = cache.keys.shape[1]
     folded = query.reshape(1, kv_heads, heads // kv_heads * n, dim)  # a kv head's query heads as rows
     dtype = accumulation_dtype(query)
     out, lse = None, None
-    for (_, physical, length), masked in zip(view.runs, _run_masks(view, query.dtype, heads // kv_heads)):
+    for storage, masked in _parts(view, query.dtype, heads // kv_heads):
         part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            folded, cache.keys[layer, None, :, physical: physical + length],
-            cache.values[layer, None, :, physical: physical + length], attn_mask=None if masked is None else masked[0])
-        if masked is not None:  # the kernel gives a row that sees nothing of the run lse 0, not -inf
+            folded, cache.keys[layer][:, storage][None], cache.values[layer][:, storage][None],
+            attn_mask=None if masked is None else masked[0])
+        if masked is not None:  # the kernel gives a row that sees nothing of the part lse 0, not -inf
             part_lse = part_lse.masked_fill(~masked[1], NEG_INF)
         part, part_lse = part.reshape(1, heads, n, dim).to(dtype), part_lse.reshape(1, heads, n).to(dtype)
         out, lse = (part, part_lse) if out is None else (merge_by_lse(out, lse, part, part_lse), torch.logaddexp(lse, part_lse))
     return out.to(query.dtype)
 
 
-def _run_masks(view: SequenceView, dtype: torch.dtype, groups: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """For each run: None where every new token sees all of it, else the kernel's additive mask
-    [1, 1, groups x n, length] (rows as the folded query has them) and which rows see any of it."""
-    key = ("run masks", dtype, groups)
-    if key not in view.for_every_layer:
-        masks = []
-        for logical, _, length in view.runs:
-            allowed = None if view.mask is None else view.mask[:, logical: logical + length]
-            if allowed is None or bool(allowed.all()):
-                masks.append(None)
-                continue
-            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, NEG_INF)
-            masks.append((additive.repeat(groups, 1)[None, None], allowed.any(-1).repeat(groups)))
-        view.for_every_layer[key] = masks
-    return view.for_every_layer[key]
+def _parts(view: SequenceView, dtype: torch.dtype, groups: int) -> list[tuple[slice | torch.Tensor, tuple | None]]:
+    """The sequence's positions in parts: where each lies in storage (a slice: a long run; a tensor of
+    positions: the short runs gathered), and None where every new token sees all of it, else the
+    kernel's additive mask [1, 1, groups x n, length] (rows as the folded query has them) and which
+    rows see any of it. Built once a pass (every layer uses it)."""
+    key = ("parts", dtype, groups)
+    if key in view.for_every_layer:
+        return view.for_every_layer[key]
+    pieces, short_storage, short_columns = [], [], []
+    for logical, physical, length in view.runs:
+        if length >= LONG_RUN:
+            pieces.append((slice(physical, physical + length), slice(logical, logical + length)))
+        else:
+            short_storage.extend(range(physical, physical + length))
+            short_columns.extend(range(logical, logical + length))
+    if short_storage:
+        pieces.append((torch.tensor(short_storage), torch.tensor(short_columns)))
+    parts = []
+    for storage, columns in pieces:
+        allowed = None if view.mask is None else view.mask[:, columns]
+        if allowed is None or bool(allowed.all()):
+            parts.append((storage, None))
+            continue
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, NEG_INF)
+        parts.append((storage, (additive.repeat(groups, 1)[None, None], allowed.any(-1).repeat(groups))))
+    view.for_every_layer[key] = parts
+    return parts
 
 
 _BACKENDS = {"sdpa": SdpaBackend, "split": SplitBackend}

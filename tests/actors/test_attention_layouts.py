@@ -39,3 +39,26 @@ def test_per_sequence_and_padded_attention_agree():
     values = cache.values[0, :, 12:22].repeat_interleave(2, 0)
     weights = torch.softmax(torch.einsum("hd,hnd->hn", q[0], keys) * head_dim ** -0.5, -1)
     torch.testing.assert_close(got[0], torch.einsum("hn,hnd->hd", weights, values).reshape(-1))
+
+
+def test_long_runs_attend_in_place_and_short_ones_gathered_agree(monkeypatch):
+    """Blocks of 4 with LONG_RUN 8: a sequence of two long runs and three short ones takes both kinds
+    of part (the long ones in place, the short ones gathered into one) and attends as the padded path does."""
+    import actors.model.attention as attention
+
+    torch.manual_seed(1)
+    cache = KVCache(1, 24, 4, 64, 2, 8, dtype=torch.float64)
+    cache.keys.normal_()
+    cache.values.normal_()
+    mask = torch.ones(4, 30, dtype=torch.bool).tril(26)
+    segment = Segment([0, 1, 5, 9, 10, 11, 14, 20], 26, 4, mask, prefix=26)
+    assert [length for _, _, length in cache.runs(segment.blocks, segment.end)] == [8, 4, 12, 4, 2]
+    q = torch.randn(4, 4, 8, dtype=torch.float64)
+    padded = PackedBatch([segment], torch.device("cpu"), cache)
+    padded.per_sequence = False
+    want = SdpaBackend().attend(q, padded, cache, 0)
+    monkeypatch.setattr(attention, "LONG_RUN", 8)
+    got = SdpaBackend().attend(q, PackedBatch([segment], torch.device("cpu"), cache), cache, 0)
+    torch.testing.assert_close(got, want)
+    view = PackedBatch([segment], torch.device("cpu"), cache).sequences[0]
+    assert [type(storage).__name__ for storage, _ in attention._parts(view, torch.float64, 2)] == ["slice", "slice", "Tensor"]
