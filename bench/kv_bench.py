@@ -5,8 +5,9 @@ over HTTP in this process's Ray instance, once per variant of its engine setting
 client drives it (streamed chat completions, greedy), each scenario with speculation as deployed
 and with `"speculation": {"method": "off"}` on the same requests:
 
-- capacity: N clients (N = 8, 16, 32, 64) asking 2N Spec-Bench questions between them, each client
-  sending its next question when its answer ends, the paged cache as deployed against the same
+- capacity: N clients (N = 8, 16, 32, 64) asking 2N Spec-Bench questions between them (those of up
+  to 1,000 tokens; each level on a fresh deployment), each client sending its next question when
+  its answer ends, the paged cache as deployed against the same
   memory decoding 8 requests at once (`max_sequences: 8`: what the slot cache of earlier releases
   allowed); output tokens/s over the round (a single wave of N would end with its slowest answer). How many decode together is counted
   in process (the engine's running requests at each step, 64 questions, plain decoding).
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--levels", default="8,16,32,64", help="capacity: requests in flight, comma separated")
+    parser.add_argument("--slot-levels", default="8,16,32,64",
+                        help="capacity: the levels measured for 8 requests at once (empty: none)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="capacity and multi-turn: max_tokens")
     parser.add_argument("--prefix-variants", default="on,together,off",
                         help="shared-prefix, comma separated: on (prefix caching, the system prompt put in the "
@@ -133,31 +136,36 @@ class Deployment:
         return client
 
 
-def capacity(deployment: Deployment, questions: list[dict], args: argparse.Namespace) -> dict:
-    levels = [int(level) for level in args.levels.split(",")]
-    variants = {"paged": {}, "8 at once": {"max_sequences": 8}}
-    results: dict = {name: {} for name in variants}
+CAPACITY_PROMPT_TOKENS = 1000
+"""Capacity asks the Spec-Bench questions up to this long (227 of 240), within the default
+`max_prompt_tokens` once the chat template is added."""
+
+
+def capacity(deployment: Deployment, questions: list[dict], args: argparse.Namespace, tokenizer, save) -> dict:
+    """Each level on a fresh deployment (the suffix index has learned nothing) with the first 2N
+    questions; `save` keeps what is measured after each level."""
+    short = [q for q in questions if len(tokenizer.encode(q["turns"][0])) <= CAPACITY_PROMPT_TOKENS]
+    variants = {"paged": ({}, args.levels), "8 at once": ({"max_sequences": 8}, args.slot_levels)}
+    report: dict = {"by_variant": {name: {} for name in variants}, "texts_identical": True}
     texts: dict = {}
-    for name, overrides in variants.items():
-        client = deployment.serve(overrides)
-        start = 0
-        for level in levels:
-            chosen = questions[start: start + 2 * level]
-            start += 2 * level
+    for name, (overrides, levels) in variants.items():
+        for level in (int(level) for level in levels.split(",") if level):
+            client = deployment.serve(overrides)
+            chosen = short[: 2 * level]
             row = {}
             for setting in SETTINGS:
                 replies, seconds = client.wave([user(q["turns"][0]) for q in chosen], args.max_new_tokens, setting, level)
                 tokens = sum(r.tokens for r in replies)
                 row[setting] = {"tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 2),
                                 "ttft_p50_s": percentile([r.first_token_s for r in replies], 0.5)}
-                texts.setdefault((level, setting), []).append([r.text for r in replies])
+                texts.setdefault(level, []).append([r.text for r in replies])
                 print(f"capacity {name} {level} in flight {setting}: {row[setting]['tokens_per_s']} tokens/s", flush=True)
             row["speedup"] = round(row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
-            results[name][str(level)] = row
-    identical = all(all(t == v[0] for t in v) for v in texts.values()) and all(
-        texts[(level, "speculative")] == texts[(level, "plain")] for level in levels)
-    return {"by_variant": results, "texts_identical": identical,
-            "decoding_together": decoding_together(deployment.app, questions[:64], args.max_new_tokens)}
+            report["by_variant"][name][str(level)] = row
+            report["texts_identical"] = all(all(t == v[0] for t in v) for v in texts.values())
+            save(report)
+    report["decoding_together"] = decoding_together(deployment.app, short[:64], args.max_new_tokens)
+    return report
 
 
 def decoding_together(app: dict, questions: list[dict], max_new_tokens: int) -> dict:
@@ -281,12 +289,14 @@ def markdown(report: dict) -> str:
     scenarios = report["scenarios"]
     if "capacity" in scenarios:
         c = scenarios["capacity"]
-        d = c["decoding_together"]
+        d = c.get("decoding_together")
         lines += ["## Capacity", "",
-                  f"In process, 64 Spec-Bench requests, plain decoding, default KV memory ({d['kv_cache_bytes'] / 2**20:.0f} MiB): "
-                  f"at most {d['most_decoding_at_once']} decoded at once ({d['preemptions']} preemptions); the slot cache "
-                  f"decoded 8. Texts identical across settings and variants: {c['texts_identical']}. "
-                  f"Each level: N clients asking 2N questions between them.", "",
+                  (f"In process, 64 Spec-Bench requests, plain decoding, default KV memory ({d['kv_cache_bytes'] / 2**20:.0f} MiB): "
+                   f"at most {d['most_decoding_at_once']} decoded at once ({d['preemptions']} preemptions); the slot cache "
+                   f"decoded 8. " if d else "") +
+                  f"Texts identical across settings and variants: {c['texts_identical']}. "
+                  f"Each level: N clients asking the first 2N questions of up to {CAPACITY_PROMPT_TOKENS} tokens between "
+                  f"them, on a fresh deployment.", "",
                   "| in flight | variant | plain tokens/s | speculative tokens/s | speedup |", "|---:|---|---:|---:|---:|"]
         for variant, rows in c["by_variant"].items():
             for level, row in rows.items():
@@ -319,7 +329,13 @@ def run(args: argparse.Namespace) -> int:
     report = {"command": command_line(args, "bench", "kv"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "scenarios": {}}
     out = args.out or RESULTS_DIR / f"kv-bench-{datetime.now():%Y%m%d-%H%M%S}.json"
-    runners = {"capacity": lambda: capacity(deployment, questions, args),
+    def save_partial(name: str):
+        def save(partial: dict) -> None:
+            report["scenarios"][name] = partial
+            write_report(report, out, markdown)
+        return save
+
+    runners = {"capacity": lambda: capacity(deployment, questions, args, tokenizer, save_partial("capacity")),
                "shared-prefix": lambda: shared_prefix(deployment, questions, args, tokenizer),
                "multi-turn": lambda: multi_turn(deployment, questions, args),
                "interference": lambda: interference(deployment, questions, args, tokenizer)}
