@@ -107,7 +107,7 @@ class ModelRunner:
         size = self.cache.block_size
         if state.length != len(state.keys) * size:
             return 0
-        gained = 0
+        before = state.length
         for key in self._keys_past(state, tokens, len(tokens)):
             block = self.pool.lookup(key)
             if block is None:
@@ -121,8 +121,7 @@ class ModelRunner:
             state.keys.append(key)
             state.tokens.extend(tokens[start: start + size])
             state.length += size
-            gained += size
-        return gained
+        return state.length - before
 
     def block_keys(self, seq_id: str, tokens: Sequence[int], end: int) -> list[bytes]:
         """The keys its next blocks will be registered under once `tokens` (its whole sequence, the
