@@ -6,10 +6,16 @@ shards of one target group are packed onto one node when a node can hold them, b
 all-reduces are on the critical path of every verification step; draft actors are spread, because
 they talk only to the router.
 
+On a cluster of several node pools (KubeRay worker groups for target GPUs and for draft GPUs), the
+spec's node labels send each bundle to its pool: Ray's `bundle_label_selector` on the placement group,
+matched against the labels a node was started with (`ray start --labels`, a worker group's `labels`).
+
 Two things Ray does not do for us, and so this module does:
 - A placement group that cannot be satisfied never becomes ready and never says why. `reserve` checks
-  the spec against the cluster's totals before creating anything, waits with a timeout, and explains
-  what is missing either way.
+  the spec against the alive nodes (their totals and labels) before creating anything and explains what
+  is missing: at once on a fixed cluster; on an autoscaling one it logs the explanation, creates the
+  groups anyway (a pending placement group is what Ray's autoscaler adds nodes for) and waits. Either
+  way a timeout ends the wait, and the error says which groups were pending and what was free.
 - An actor placed in a bundle must ask for no more than the bundle holds, and Ray's default actor
   (1 CPU to schedule) does not fit a GPU-only bundle. `actor_options` derives an actor's request from
   its bundle, so the two cannot drift apart.
@@ -19,6 +25,7 @@ for nothing, so a bundle of an actor that needs neither GPU nor CPU asks for `MI
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,9 +36,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine.config import EngineConfig
 
+log = logging.getLogger(__name__)
+
 Bundle = dict[str, float]
 MIN_BUNDLE_CPU = 0.01
 CHECKED_RESOURCES = ("GPU", "CPU")
+PENDING_LOG_AFTER_S = 3.0
+"""A placement still pending after this long is logged with what each role's nodes hold."""
 
 
 class PlacementError(RuntimeError):
@@ -60,7 +71,18 @@ class ClusterSpec(BaseModel):
     cpus_per_actor: float = Field(
         0, ge=0, description="CPUs reserved per actor; 0 because GPU actors asking for CPUs exhaust a small node's CPUs"
     )
-    placement_timeout_s: float = Field(30, gt=0, description="seconds to wait for the placement groups to be ready")
+    placement_timeout_s: float = Field(30, gt=0, description="seconds to wait for the placement groups to be ready "
+                                       "(on an autoscaling cluster, long enough to start a GPU node)")
+    autoscaling_cluster: bool = Field(
+        False, description="the Ray cluster adds nodes on demand (Ray autoscaler, KubeRay enableInTreeAutoscaling): a "
+        "spec the alive nodes cannot hold waits up to placement_timeout_s for new ones, saying in the logs what it "
+        "waits for, instead of failing at once")
+    target_node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels a node must carry to hold target shards (KubeRay: the "
+        "target worker group's `labels`), matched exactly; empty: any node")
+    draft_node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels a node must carry to hold draft actors, matched exactly; "
+        "empty: any node")
     colocate_drafter: bool = Field(
         False, description="run the drafter inside each target shard's process instead of draft actors (one-GPU "
         "deployments: a trained head then shares the target's embedding and LM head, and its hidden states stay in "
@@ -74,6 +96,16 @@ class ClusterSpec(BaseModel):
                 f"num_draft_actors must be >= 1 when engine.method is {self.engine.method!r} "
                 "(use engine.method='none' for plain decoding without draft actors)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _labels_are_exact_values(self) -> ClusterSpec:
+        """Ray reads `!v` and `in(a,b)` as operators; here a label is matched exactly, so refuse them
+        rather than place by a rule the capacity check does not follow."""
+        for name in ("target_node_labels", "draft_node_labels"):
+            for key, value in getattr(self, name).items():
+                if not value or value.startswith("!") or "(" in value or "," in value:
+                    raise ValueError(f"{name}[{key!r}] must be one exact label value, got {value!r}")
         return self
 
     @model_validator(mode="after")
@@ -102,6 +134,20 @@ class ClusterSpec(BaseModel):
         bundles = self.target_bundles() * self.num_target_groups + self.draft_bundles()
         return sum(bundle.get(resource, 0.0) for bundle in bundles)
 
+    def target_pool(self) -> Pool:
+        """All target groups' bundles and the labels of the nodes that may hold them."""
+        return Pool("target groups", self.target_bundles() * self.num_target_groups, self.target_node_labels,
+                    f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size}")
+
+    def draft_pool(self) -> Pool | None:
+        """The draft actors' bundles and the labels of their nodes; None when no draft actor is placed."""
+        if not self.draft_actor_count:
+            return None
+        return Pool("draft actors", self.draft_bundles(), self.draft_node_labels, f"{self.draft_actor_count} draft actors")
+
+    def pools(self) -> list[Pool]:
+        return [pool for pool in (self.target_pool(), self.draft_pool()) if pool is not None]
+
     def total_gpus(self) -> float:
         """GPUs the whole spec reserves."""
         return self.total("GPU")
@@ -114,6 +160,31 @@ class ClusterSpec(BaseModel):
             f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size} x {target_each:g} + "
             f"{self.draft_actor_count} draft actors x {draft_each:g}"
         )
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The bundles of one role and the labels of the nodes that may hold them."""
+
+    role: str
+    bundles: list[Bundle]
+    labels: dict[str, str]
+    arithmetic: str
+
+    def total(self, resource: str) -> float:
+        return sum(bundle.get(resource, 0.0) for bundle in self.bundles)
+
+    def admits(self, node: dict) -> bool:
+        """Whether an alive node (an entry of `ray.nodes()`) carries every label this pool needs."""
+        labels = node.get("Labels") or {}
+        return bool(node.get("Alive")) and all(labels.get(key) == value for key, value in self.labels.items())
+
+    def where(self) -> str:
+        return "nodes labelled " + ", ".join(f"{k}={v}" for k, v in self.labels.items()) if self.labels else "the Ray cluster"
+
+    def selector(self, bundles: int) -> list[dict[str, str]] | None:
+        """bundle_label_selector of a placement group of `bundles` bundles of this pool, or None."""
+        return [dict(self.labels) for _ in range(bundles)] if self.labels else None
 
 
 def _bundle(gpus: float, cpus: float) -> Bundle:
@@ -185,50 +256,75 @@ def _strategy(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStra
 def reserve(spec: ClusterSpec) -> Placement:
     """Create the spec's placement groups and wait until Ray has reserved them all.
 
-    Raises PlacementError at once if the cluster is too small, or after spec.placement_timeout_s if
-    the groups could not be reserved (resources held by others, or fragmented across nodes); groups
-    already created are removed first, so a failed call holds nothing.
+    Raises PlacementError at once if the alive nodes could never hold the spec (unless the cluster
+    autoscales: then the reason is logged and the groups wait for new nodes), or after
+    spec.placement_timeout_s if the groups could not be reserved (resources held by others, or
+    fragmented across nodes); groups already created are removed first, so a failed call holds nothing.
     """
-    check_capacity(spec, ray.cluster_resources())
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    try:
+        check_capacity(spec, nodes)
+    except PlacementError as error:
+        if not spec.autoscaling_cluster:
+            raise
+        log.warning("waiting up to %g s for the autoscaler to add nodes: %s", spec.placement_timeout_s, error)
     available = ray.available_resources()
-    target_bundles, draft_bundles = spec.target_bundles(), spec.draft_bundles()
-    check_group_fits_a_node(target_bundles, ray.nodes())
+    targets, drafts = spec.target_pool(), spec.draft_pool()
     placement = Placement(
-        target_groups=[placement_group(target_bundles, strategy="STRICT_PACK") for _ in range(spec.num_target_groups)],
-        drafts=placement_group(draft_bundles, strategy="SPREAD") if draft_bundles else None,
+        target_groups=[placement_group(spec.target_bundles(), strategy="STRICT_PACK",
+                                       bundle_label_selector=targets.selector(spec.tensor_parallel_size))
+                       for _ in range(spec.num_target_groups)],
+        drafts=placement_group(drafts.bundles, strategy="SPREAD", bundle_label_selector=drafts.selector(len(drafts.bundles)))
+        if drafts else None,
         notes=_notes(spec),
     )
     _wait_ready(placement, spec, available)
     return placement
 
 
-def check_capacity(spec: ClusterSpec, cluster: dict[str, float]) -> None:
-    """Refuse a spec the whole cluster could never hold: Ray would leave its groups pending forever."""
-    for resource in CHECKED_RESOURCES:
-        needed, present = spec.total(resource), cluster.get(resource, 0.0)
-        if needed > present:
-            raise PlacementError(
-                f"cluster spec needs {needed:g} {resource}s ({spec.describe_total(resource)}) "
-                f"but the Ray cluster has {present:g}"
-            )
+def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
+    """Refuse a spec the alive nodes (entries of `ray.nodes()`) could never hold: Ray would leave its
+    groups pending forever. Checks the whole spec against the whole cluster, each role against the
+    nodes its labels admit, and that one such node holds a whole target group."""
+    for resource, needed, present in _shortfalls(spec.total, nodes):
+        raise PlacementError(f"cluster spec needs {needed:g} {resource}s ({spec.describe_total(resource)}) "
+                             f"but the Ray cluster has {present:g}")
+    for pool in (pool for pool in spec.pools() if pool.labels):
+        admitted = [node for node in nodes if pool.admits(node)]
+        for resource, needed, present in _shortfalls(pool.total, admitted):
+            raise PlacementError(f"{pool.role} need {needed:g} {resource}s ({pool.arithmetic}) on {pool.where()}, "
+                                 f"which have {present:g} ({len(admitted)} alive)")
+    targets = spec.target_pool()
+    check_group_fits_a_node(spec.target_bundles(), [node for node in nodes if targets.admits(node)], targets.where())
 
 
-def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict]) -> None:
+def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict], where: str = "the Ray cluster") -> None:
     """Refuse a target group no alive node can hold: its shards rendezvous on 127.0.0.1 and all-reduce
     on every step, so they are always packed on one node (STRICT_PACK), never scattered.
 
-    `nodes` is what `ray.nodes()` returns. Node totals are compared, not what is free now: a group
-    that fits a busy node waits for it.
+    `nodes` is what `ray.nodes()` returns (those the group's labels admit). Node totals are compared,
+    not what is free now: a group that fits a busy node waits for it.
     """
     need = _sum(bundles)
     for node in nodes:
-        resources = node.get("Resources", {})
+        resources = _resources(node)
         if node.get("Alive") and all(resources.get(name, 0.0) >= amount for name, amount in need.items()):
             return
     raise PlacementError(
-        f"no alive node can hold a whole target group ({_format(need)}): the shards of a "
+        f"no alive node of {where} can hold a whole target group ({_format(need)}): the shards of a "
         "tensor-parallel group must share a node; lower tensor_parallel_size or add bigger nodes"
     )
+
+
+def _resources(node: dict) -> dict[str, float]:
+    return node.get("Resources") or {}
+
+
+def _shortfalls(needs, nodes: list[dict]) -> list[tuple[str, float, float]]:
+    """(resource, needed, present) for each checked resource the nodes hold less of than `needs(resource)`."""
+    present = {resource: sum(_resources(node).get(resource, 0.0) for node in nodes) for resource in CHECKED_RESOURCES}
+    return [(resource, needs(resource), present[resource]) for resource in CHECKED_RESOURCES
+            if needs(resource) > present[resource]]
 
 
 def _notes(spec: ClusterSpec) -> list[str]:
@@ -240,12 +336,18 @@ def _notes(spec: ClusterSpec) -> list[str]:
 
 
 def _wait_ready(placement: Placement, spec: ClusterSpec, available: dict[str, float]) -> None:
-    """Wait for every group; on timeout release them all and say which were pending and what was free."""
+    """Wait for every group; say within seconds in the log which are pending, and on timeout release
+    them all and say which were pending and what was free."""
     labelled = [(f"target group {i}", group) for i, group in enumerate(placement.target_groups)]
     if placement.drafts is not None:
         labelled.append(("draft group", placement.drafts))
     refs = {group.ready(): label for label, group in labelled}
-    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=spec.placement_timeout_s)
+    first = min(PENDING_LOG_AFTER_S, spec.placement_timeout_s)
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=first)
+    if pending and spec.placement_timeout_s > first:
+        log.warning("placement groups pending after %g s: %s; waiting up to %g s (%s)", first,
+                    ", ".join(refs[r] for r in pending), spec.placement_timeout_s, _free_by_pool(spec))
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=spec.placement_timeout_s - first)
     if not pending:
         return
     placement.release()
@@ -256,6 +358,19 @@ def _wait_ready(placement: Placement, spec: ClusterSpec, available: dict[str, fl
         f"The spec needs {_format(needed)}; when reserving, the cluster had {_format(free)} free. "
         "Other placement groups or actors hold the rest, or no node fits a packed target group."
     )
+
+
+def _free_by_pool(spec: ClusterSpec) -> str:
+    """What each role's nodes have free now, for the log of a pending placement."""
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    free = ray.available_resources()  # cluster-wide; per node only where labels split the pools
+    parts = []
+    for pool in spec.pools():
+        admitted = [node for node in nodes if pool.admits(node)]
+        total = {r: sum(_resources(n).get(r, 0.0) for n in admitted) for r in CHECKED_RESOURCES}
+        parts.append(f"{pool.role} need {_format({r: pool.total(r) for r in CHECKED_RESOURCES})} on "
+                     f"{pool.where()}: {len(admitted)} alive with {_format(total)} in all")
+    return "; ".join(parts) + f"; free in the cluster: {_format({r: free.get(r, 0.0) for r in CHECKED_RESOURCES})}"
 
 
 def _sum(bundles: list[Bundle]) -> Bundle:

@@ -1,6 +1,8 @@
 """Requests shared by the cluster test modules, and the plain decoding they must equal."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from actors.model.loader import load_model
@@ -30,3 +32,23 @@ these tests check drafting through actors, not what pays at this machine's measu
 def requests(prefix="r", max_new_tokens=NEW_TOKENS):
     return [GenerationRequest(f"{prefix}{i}", p, max_new_tokens=max_new_tokens, lookahead=SPECULATE)
             for i, p in enumerate(PROMPTS)]
+
+
+def run_while(cluster, action, prefix, max_new_tokens=NEW_TOKENS * 4):
+    """Start requests, run `action` once the first tokens have streamed, collect the outputs."""
+    started, done, outputs = threading.Event(), threading.Event(), {}
+
+    def on_event(event):
+        started.set()
+        if event.finished:
+            outputs[event.request_id] = event.finished
+            if len(outputs) == len(PROMPTS):
+                done.set()
+
+    loop = cluster.loops[0]
+    for request in requests(prefix, max_new_tokens):
+        loop.submit(request, on_event)
+    assert started.wait(60)
+    action()
+    assert done.wait(180)
+    return [outputs[f"{prefix}{i}"] for i in range(len(PROMPTS))]

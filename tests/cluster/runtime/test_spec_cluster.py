@@ -1,7 +1,6 @@
 """The Ray cluster end to end on fake GPUs: TP=2 target group, two draft actors, faults."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from cluster.engine.build import local_engine
 from cluster.runtime.placement import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
-from tests.cluster.runtime.cluster_requests import NEW_TOKENS, PROMPTS, UNPLANNED, expected, requests  # noqa: F401  (fixture)
+from tests.cluster.runtime.cluster_requests import NEW_TOKENS, UNPLANNED, expected, requests, run_while  # noqa: F401  (fixture)
 from tests.conftest import IdTokenizer
 
 
@@ -32,26 +31,6 @@ def test_cluster_output_equals_plain_decoding(cluster, expected):
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.stats.accepted for o in outputs) > 0
     assert cluster.loops[0].engine.counters.draft_failures == 0
-
-
-def run_while(cluster, action, prefix, max_new_tokens=NEW_TOKENS * 4):
-    """Start requests, run `action` once the first tokens have streamed, collect the outputs."""
-    started, done, outputs = threading.Event(), threading.Event(), {}
-
-    def on_event(event):
-        started.set()
-        if event.finished:
-            outputs[event.request_id] = event.finished
-            if len(outputs) == len(PROMPTS):
-                done.set()
-
-    loop = cluster.loops[0]
-    for request in requests(prefix, max_new_tokens):
-        loop.submit(request, on_event)
-    assert started.wait(60)
-    action()
-    assert done.wait(180)
-    return [outputs[f"{prefix}{i}"] for i in range(len(PROMPTS))]
 
 
 def test_a_dead_draft_actor_loses_no_output(cluster, tiny_model_dir):
