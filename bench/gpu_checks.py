@@ -337,6 +337,61 @@ def cuda_graphs(ctx: Context) -> dict:
     return {"new_tokens": new, "results": results}
 
 
+class _IdTokenizer:
+    """Enough of a tokenizer for an engine over a random model: token ids as words."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def paged_cache(ctx: Context) -> dict:
+    """The paged KV cache on the device, as served: requests sharing a long prompt prefix, a cache
+    with room for one and a half of them (requests wait for blocks, find the prefix cached, are preempted and
+    resumed), prompts prefilled in chunks beside running streams, prompt lookup trees verified in
+    scratch blocks. Greedy outputs must equal those of a cache with room for all, whole prompts and no
+    prefix caching. Run in float32 so that a batch's different composition cannot flip a near-tie.
+    Sequences end up fragmented (a shared prefix block, a neighbour's block in the way), which takes
+    the device's gathered attention path."""
+    from actors.model.kv_cache import KVCache
+    from cluster.engine.build import local_engine
+    from cluster.engine.config import SchedulerConfig
+    from cluster.engine.request import GenerationRequest
+    from speculators.proposers.prompt_lookup import PromptLookupProposer
+
+    random = ctx.model("1b").decoder
+    model = decoder_from_tensors(random.config, {n: p.float() for n, p in random.named_parameters()})
+    prefix, new = ctx.prompt(ctx.sizes.prompt, 99), ctx.sizes.new_tokens
+    prompts = [prefix + ctx.prompt(8 + 4 * i, i) for i in range(8)]
+    max_len = len(prefix) + 64 + new
+    position = KVCache.bytes_per_position(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
+                                          torch.float32)
+    settings = {
+        "roomy": {"kv_cache_bytes": len(prompts) * max_len * position, "prefill_chunk_tokens": None,
+                  "enable_prefix_caching": False},
+        "tight": {"kv_cache_bytes": 3 * max_len // 2 * position, "prefill_chunk_tokens": 16, "enable_prefix_caching": True},
+    }
+    results, tokens = {}, {}
+    for label, cache in settings.items():
+        config = SchedulerConfig(max_sequences=len(prompts), max_len=max_len, block_size=16, step_token_budget=64, **cache)
+        engine = local_engine(model, _IdTokenizer(), PromptLookupProposer(max_branches=3), config)
+        requests = [GenerationRequest(f"{label}{i}", prompt, max_new_tokens=new) for i, prompt in enumerate(prompts)]
+        (outputs, seconds) = _timed(lambda: engine.generate(requests), ctx.device)
+        tokens[label] = [o.token_ids for o in outputs]
+        results[label] = {
+            "seconds": seconds, "accepted": sum(o.stats.accepted for o in outputs),
+            "cached_prompt_tokens": sum(o.stats.cached_prompt_tokens for o in outputs),
+            "preemptions": sum(o.stats.preemptions for o in outputs),
+        }
+        del engine
+    same = tokens["tight"] == tokens["roomy"]
+    first = next((i for i, (a, b) in enumerate(zip(tokens["tight"], tokens["roomy"])) if a != b), None)
+    exercised = results["tight"]["cached_prompt_tokens"] > 0 and results["tight"]["preemptions"] > 0
+    return {"pass": same and exercised, "same_tokens": same, "first_differing_request": first,
+            "prompt_tokens": [len(p) for p in prompts], "new_tokens": new, "results": results}
+
+
 def _draft_proposer(path: str, dtype: str, device: str, max_len: int) -> DraftModelProposer:
     """Runs inside the draft worker (a Ray actor or this process): loads the draft from `path`."""
     return DraftModelProposer(ModelRunner(load_model(path, getattr(torch, dtype), device), 1, max_len))
@@ -414,5 +469,6 @@ CHECKS: dict[str, Callable[[Context], dict]] = {
     "tokens_per_second": tokens_per_second,
     "draft_step": draft_step,
     "cuda_graphs": cuda_graphs,
+    "paged_cache": paged_cache,
     "shard_path": shard_path,
 }
