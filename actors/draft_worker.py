@@ -41,6 +41,9 @@ class DraftReply:
     trees: list[DraftTree]
     unknown: list[str]
     """Requests sent in part whose earlier tokens this worker does not have (root-only trees)."""
+    busy_s: float = 0.0
+    """Seconds the worker spent on the call: its caller's round trip less this is the wait (queue,
+    transfer) that a draft pool sizes itself on."""
 
 
 class BackgroundLearner:
@@ -121,8 +124,11 @@ class DraftWorker:
         return nullcontext() if self.learner is None else self.learner.call()
 
     def propose(self, requests: Sequence[DraftRequest]) -> DraftReply:
+        began = time.perf_counter()
         with self._using():
-            return self._propose(requests)
+            reply = self._propose(requests)
+        reply.busy_s = time.perf_counter() - began
+        return reply
 
     def _propose(self, requests: Sequence[DraftRequest]) -> DraftReply:
         whole, unknown = [], []

@@ -108,8 +108,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import (busy_neighbour, cluster_bench, cost_curve, fuzz, grammar_engines, kv_bench, path_cost,
-                       ray_overhead, serve_bench, soak, specbench)
+    from bench import (busy_neighbour, cluster_bench, cost_curve, draft_pool_bench, fuzz, grammar_engines, kv_bench,
+                       path_cost, ray_overhead, serve_bench, soak, specbench)
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "speculation off, 1 to 32 requests in flight", formatter_class=defaults)
     serve_bench.add_arguments(served)
     served.set_defaults(func=serve_bench.run)
+    pooled = bench_sub.add_parser("draft-pool", help="N target groups drafting from one shared drafter against one "
+                                  "drafter each (fake GPUs)", formatter_class=defaults)
+    draft_pool_bench.add_arguments(pooled)
+    add_engine_arguments(pooled)
+    pooled.set_defaults(func=draft_pool_bench.run)
     grammars = bench_sub.add_parser("grammar-engines", help="xgrammar against llguidance: compile, mask and rollback "
                                     "times for structured output", formatter_class=defaults)
     grammar_engines.add_arguments(grammars)

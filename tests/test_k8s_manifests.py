@@ -12,6 +12,9 @@ forever without saying why). So:
 - every Serve config (configs/*.yaml and each RayService's serveConfigV2) is validated with Ray
   Serve's own schema, its application args with the project's pydantic models, and its GPU and CPU
   needs at max_replicas are compared with what the manifests' worker groups offer at maxReplicas;
+- each config's node labels (cluster.target_node_labels / draft_node_labels) must select worker
+  groups (their `labels`, as Ray's autoscaler reads them) that hold that role at max_replicas, by
+  the placement's own capacity check; and a config that needs new pods must wait for them;
 - the RayService's builder and gRPC servicer functions must import, as Serve will import them.
 """
 from __future__ import annotations
@@ -27,7 +30,12 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from cluster.runtime.placement import ClusterSpec
+from ray.autoscaler._private.kuberay.autoscaling_config import (
+    _HEAD_GROUP_NAME,
+    _derive_autoscaling_config_from_ray_cr,
+)
+
+from cluster.runtime.placement import ClusterSpec, PlacementError, check_capacity
 from cluster.serve.service import ServiceLimits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -503,3 +511,217 @@ def test_capacity_check_catches_oversized_config(break_config, break_cluster, ex
         break_cluster(config, cluster_spec)
     problems = capacity_problems(config, cluster_spec)
     assert any(expected in problem for problem in problems), problems
+
+
+# ---- node labels: each role on the worker groups its labels select ---------------------------------
+
+GPU_NODE_START_S = 300
+"""The least placement_timeout_s of a config that waits for new pods: a GPU pod on a new node means a
+cloud VM, an image of several GB and `ray start`, rarely under five minutes."""
+
+
+def autoscaler_node_types(cluster_spec: dict) -> dict[str, dict]:
+    """The worker groups as Ray's autoscaler sees them: {groupName: node type}, each with the Ray
+    resources, the node labels and the min/max pods of one group.
+
+    This is Ray's own translation of the CR, the one the autoscaler sidecar runs on the live
+    RayCluster, so labels reach the test as they reach the autoscaler (a malformed key fails here
+    as it would there), and resources are derived as `ray start` is told them.
+    """
+    config = _derive_autoscaling_config_from_ray_cr(
+        {"metadata": {"name": "specserve", "namespace": "default"}, "spec": copy.deepcopy(cluster_spec)})
+    return {name: node_type for name, node_type in config["available_node_types"].items() if name != _HEAD_GROUP_NAME}
+
+
+def ray_nodes(cluster_spec: dict, scale: str = "max_workers") -> list[dict]:
+    """The worker nodes as `ray.nodes()` would list them with every group at maxReplicas
+    (scale 'max_workers') or at minReplicas ('min_workers')."""
+    return [{"Alive": True, "NodeName": f"{name}-{index}", "Resources": dict(node_type["resources"]),
+             "Labels": dict(node_type["labels"])}
+            for name, node_type in autoscaler_node_types(cluster_spec).items() for index in range(node_type[scale])]
+
+
+def at_replicas(spec: ClusterSpec, replicas: int) -> ClusterSpec:
+    """One spec reserving what `replicas` SpecServer replicas reserve together (each replica starts
+    its own target groups and draft actors)."""
+    return spec.model_copy(update={"num_target_groups": spec.num_target_groups * replicas,
+                                   "num_draft_actors": spec.num_draft_actors * replicas})
+
+
+def node_holds(node: dict, bundle: dict[str, float]) -> bool:
+    return all(node["Resources"].get(name, 0.0) >= amount for name, amount in bundle.items())
+
+
+def carries(node_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a node with these labels matches a role's node labels (exact values; {} = any node)."""
+    return all(node_labels.get(key) == value for key, value in labels.items())
+
+
+def where(labels: dict[str, str]) -> str:
+    return "nodes labelled " + ", ".join(f"{k}={v}" for k, v in labels.items()) if labels else "any node"
+
+
+def replica_placement_problems(app: dict, spec: ClusterSpec, nodes: list[dict]) -> list[str]:
+    """Why the placement could not reserve the app's max_replicas replicas on these nodes ([] when it can).
+
+    The placement's own check (cluster.runtime.placement.check_capacity, which a replica runs before
+    creating its placement groups): the roles' GPUs and CPUs on the nodes their labels select (roles
+    sent to the same nodes together), and a whole target group on one such node. One more, which it
+    leaves to Ray: each draft actor fits one node its labels select.
+    """
+    spec = at_replicas(spec, max_replicas(app))
+    problems = []
+    try:
+        check_capacity(spec, nodes)
+    except PlacementError as error:
+        problems.append(str(error))
+    drafts = spec.draft_bundles()
+    if drafts and not any(carries(node["Labels"], spec.draft_node_labels) and node_holds(node, drafts[0])
+                          for node in nodes):
+        problems.append(f"no worker pod of {where(spec.draft_node_labels)} holds a draft actor ({drafts[0]})")
+    return problems
+
+
+def placement_problems(config: dict, cluster_spec: dict, scale: str = "max_workers") -> list[str]:
+    """Why a config's replicas at max_replicas could not be placed on the worker pods of a Ray cluster
+    spec with every group at `scale` ([] when they can): see replica_placement_problems."""
+    nodes = ray_nodes(cluster_spec, scale)
+    return [problem for app, spec, _ in each_app(config) for problem in replica_placement_problems(app, spec, nodes)]
+
+
+def autoscaling_problems(config: dict, cluster_spec: dict) -> list[str]:
+    """Why a config would not wait for the pods it needs ([] when it needs none, or waits).
+
+    On an autoscaling cluster, an application that does not fit the worker pods at minReplicas
+    reaches max_replicas only on pods the autoscaler adds for its pending placement groups. With
+    autoscaling_cluster false the placement refuses such a replica at once (the alive nodes cannot
+    hold it), and with a placement_timeout_s shorter than a GPU pod takes to start it gives up first.
+    """
+    if not cluster_spec.get("enableInTreeAutoscaling"):
+        return []
+    nodes = ray_nodes(cluster_spec, "min_workers")
+    problems = []
+    for app, spec, _ in each_app(config):
+        if not replica_placement_problems(app, spec, nodes):
+            continue
+        if not spec.autoscaling_cluster:
+            problems.append(f"{app.get('name')}: max_replicas needs pods beyond minReplicas, but autoscaling_cluster "
+                            "is false: the replicas that need them fail at once instead of waiting")
+        if spec.placement_timeout_s < GPU_NODE_START_S:
+            problems.append(f"{app.get('name')}: placement_timeout_s {spec.placement_timeout_s:g} < "
+                            f"{GPU_NODE_START_S} s: the placement gives up before a new GPU pod is up")
+    return problems
+
+
+CLUSTER_SPECS = [pytest.param(spec, id=name) for name, spec in ray_cluster_specs()]
+
+
+@pytest.mark.parametrize("cluster_spec", CLUSTER_SPECS)
+@pytest.mark.parametrize("config", SERVE_CONFIGS)
+def test_node_labels_select_worker_groups_that_hold_them(config, cluster_spec):
+    """Every config at max_replicas passes the placement's capacity check on the pods the autoscaler
+    can start: target_node_labels select groups that hold the target groups (TP x
+    gpus_per_target_shard on one pod), draft_node_labels groups that hold the draft actors."""
+    assert placement_problems(config, cluster_spec) == []
+
+
+@pytest.mark.parametrize("cluster_spec", CLUSTER_SPECS)
+@pytest.mark.parametrize("config", SERVE_CONFIGS)
+def test_config_waits_for_the_pods_it_needs(config, cluster_spec):
+    """A config that reaches max_replicas only on pods beyond minReplicas waits for the autoscaler:
+    autoscaling_cluster true and a placement_timeout_s long enough to start a GPU pod."""
+    assert autoscaling_problems(config, cluster_spec) == []
+
+
+@pytest.mark.parametrize("doc", [pytest.param(doc, id=name) for name, doc in manifests_of("RayService")])
+def test_rayservice_keeps_target_and_draft_gpus_apart(doc):
+    """The deployed config labels both roles, and the groups their labels select are disjoint: a
+    draft actor never takes a GPU of a target-gpu pod (a target group would then need another pod)
+    nor a target shard one of a draft-gpu pod."""
+    config = yaml.load(doc["spec"]["serveConfigV2"], Loader=Loader)
+    node_types = autoscaler_node_types(doc["spec"]["rayClusterConfig"])
+
+    def selected(labels: dict[str, str]) -> set[str]:
+        return {name for name, node_type in node_types.items() if carries(node_type["labels"], labels)}
+
+    for _, spec, _ in each_app(config):
+        assert spec.draft_bundles(), "the deployed config runs draft actors"
+        assert spec.target_node_labels and spec.draft_node_labels, "both roles must be labelled"
+        targets, drafts = selected(spec.target_node_labels), selected(spec.draft_node_labels)
+        assert targets and drafts and not targets & drafts, (targets, drafts)
+
+
+def _worker_group(cluster_spec: dict, name: str) -> dict:
+    return next(group for group in cluster_spec["workerGroupSpecs"] if group["groupName"] == name)
+
+
+def _cluster_args(config: dict) -> dict:
+    return applications(config)[0]["args"]["cluster"]
+
+
+def _misspell_target_label(config, cluster_spec):
+    _cluster_args(config)["target_node_labels"] = {"specserve.io/role": "targets"}
+
+
+def _unlabel_draft_group(config, cluster_spec):
+    del _worker_group(cluster_spec, "draft-gpu")["labels"]
+
+
+def _targets_on_draft_pods(config, cluster_spec):
+    _cluster_args(config)["target_node_labels"] = dict(_cluster_args(config)["draft_node_labels"])
+    router(applications(config)[0])["autoscaling_config"]["max_replicas"] = 1
+
+
+def _draft_pods_too_few(config, cluster_spec):
+    """As many GPUs in all (5 x 2 + 3 x 1 >= 4 x 3), so only the per-role check notices."""
+    _worker_group(cluster_spec, "target-gpu")["maxReplicas"] = 5
+    _worker_group(cluster_spec, "draft-gpu")["maxReplicas"] = 3
+
+
+def _drafts_on_full_target_pods(config, cluster_spec):
+    """Each role fits the target pods alone (8 of 8 GPUs, 4 of 8), not both together."""
+    _cluster_args(config)["draft_node_labels"] = dict(_cluster_args(config)["target_node_labels"])
+
+
+def _fail_instead_of_waiting(config, cluster_spec):
+    _cluster_args(config)["autoscaling_cluster"] = False
+
+
+def _give_up_before_a_pod_starts(config, cluster_spec):
+    _cluster_args(config)["placement_timeout_s"] = 30
+
+
+@pytest.mark.parametrize("break_it, check, expected", [
+    (_misspell_target_label, placement_problems, "on nodes labelled specserve.io/role=targets, which have 0"),
+    (_unlabel_draft_group, placement_problems, "draft actors need"),
+    (_targets_on_draft_pods, placement_problems, "can hold a whole target group"),
+    (_draft_pods_too_few, placement_problems, "draft actors need 4 GPUs"),
+    (_drafts_on_full_target_pods, placement_problems, "target groups and draft actors need 12 GPUs"),
+    (_fail_instead_of_waiting, autoscaling_problems, "autoscaling_cluster is false"),
+    (_give_up_before_a_pod_starts, autoscaling_problems, "placement_timeout_s 30"),
+])
+def test_label_checks_catch_mistakes(break_it, check, expected):
+    """The label checks have teeth: on copies of the GPU example and the RayCluster, a label value the
+    groups do not carry, a draft group without its label, target groups sent to 1-GPU draft pods,
+    too few draft pods at maxReplicas (while the GPUs in all suffice), draft actors sent to target
+    pods that hold either role but not both, and a config that would not wait, or not long enough,
+    for new pods are each reported."""
+    config = yaml.load(GPU_EXAMPLE.read_text(), Loader=Loader)
+    (_, cluster_spec), *_ = ray_cluster_specs()
+    cluster_spec = copy.deepcopy(cluster_spec)
+    assert placement_problems(config, cluster_spec) == autoscaling_problems(config, cluster_spec) == []
+    break_it(config, cluster_spec)
+    problems = check(config, cluster_spec)
+    assert any(expected in problem for problem in problems), problems
+    if break_it is _draft_pods_too_few:
+        assert capacity_problems(config, cluster_spec) == [], "the label-blind check should have missed it"
+
+
+def test_malformed_group_label_is_refused():
+    """A worker-group label Ray cannot use (the CRD allows any string) fails where the autoscaler
+    would refuse it; `ray start --labels` refuses it too."""
+    (_, cluster_spec), *_ = ray_cluster_specs()
+    cluster_spec = copy.deepcopy(cluster_spec)
+    _worker_group(cluster_spec, "target-gpu")["labels"] = {"specserve.io/role!": "target"}
+    with pytest.raises(ValueError, match="Invalid label key"):
+        autoscaler_node_types(cluster_spec)

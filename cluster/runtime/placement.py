@@ -7,7 +7,7 @@ all-reduces are on the critical path of every verification step; draft actors ar
 they talk only to the router.
 
 On a cluster of several node pools (KubeRay worker groups for target GPUs and for draft GPUs), the
-spec's node labels send each bundle to its pool: Ray's `bundle_label_selector` on the placement group,
+spec's node labels send each bundle to its nodes: Ray's `bundle_label_selector` on the placement group,
 matched against the labels a node was started with (`ray start --labels`, a worker group's `labels`).
 
 Two things Ray does not do for us, and so this module does:
@@ -35,6 +35,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine.config import EngineConfig
+from cluster.runtime.draft_pool_spec import DraftPoolSpec
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,17 @@ class ClusterSpec(BaseModel):
             )
         return self
 
+    draft_pool: DraftPoolSpec | None = Field(
+        None, description="draft from a pool shared by every replica naming it (its own drafters, sized on its "
+        "own signal) instead of draft actors of this replica's own; num_draft_actors is then ignored")
+
+    @model_validator(mode="after")
+    def _pool_needs_a_drafter(self) -> ClusterSpec:
+        if self.draft_pool is not None and (self.engine.method == "none" or self.colocate_drafter):
+            raise ValueError("draft_pool needs a drafter in actors: engine.method other than 'none' and "
+                             "colocate_drafter false")
+        return self
+
     @model_validator(mode="after")
     def _labels_are_exact_values(self) -> ClusterSpec:
         """Ray reads `!v` and `in(a,b)` as operators; here a label is matched exactly, so refuse them
@@ -117,9 +129,15 @@ class ClusterSpec(BaseModel):
 
     @property
     def draft_actor_count(self) -> int:
-        """Draft actors actually placed: none for plain decoding or a co-located drafter, whatever
-        num_draft_actors says."""
-        return 0 if self.engine.method == "none" or self.colocate_drafter else self.num_draft_actors
+        """Draft actors this replica places: none for plain decoding, a co-located drafter or a draft
+        pool (which places its own), whatever num_draft_actors says."""
+        if self.engine.method == "none" or self.colocate_drafter or self.draft_pool is not None:
+            return 0
+        return self.num_draft_actors
+
+    def draft_pool_bundle(self) -> Bundle:
+        """The bundle of one drafter of a draft pool (each in a placement group of its own)."""
+        return _bundle(self.gpus_per_draft_actor, self.cpus_per_actor)
 
     def target_bundles(self) -> list[Bundle]:
         """Bundles of one target group, one per tensor-parallel rank (rank i runs in bundle i)."""
@@ -134,19 +152,19 @@ class ClusterSpec(BaseModel):
         bundles = self.target_bundles() * self.num_target_groups + self.draft_bundles()
         return sum(bundle.get(resource, 0.0) for bundle in bundles)
 
-    def target_pool(self) -> Pool:
+    def target_role(self) -> Role:
         """All target groups' bundles and the labels of the nodes that may hold them."""
-        return Pool("target groups", self.target_bundles() * self.num_target_groups, self.target_node_labels,
+        return Role("target groups", self.target_bundles() * self.num_target_groups, self.target_node_labels,
                     f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size}")
 
-    def draft_pool(self) -> Pool | None:
+    def draft_role(self) -> Role | None:
         """The draft actors' bundles and the labels of their nodes; None when no draft actor is placed."""
         if not self.draft_actor_count:
             return None
-        return Pool("draft actors", self.draft_bundles(), self.draft_node_labels, f"{self.draft_actor_count} draft actors")
+        return Role("draft actors", self.draft_bundles(), self.draft_node_labels, f"{self.draft_actor_count} draft actors")
 
-    def pools(self) -> list[Pool]:
-        return [pool for pool in (self.target_pool(), self.draft_pool()) if pool is not None]
+    def roles(self) -> list[Role]:
+        return [role for role in (self.target_role(), self.draft_role()) if role is not None]
 
     def total_gpus(self) -> float:
         """GPUs the whole spec reserves."""
@@ -163,7 +181,7 @@ class ClusterSpec(BaseModel):
 
 
 @dataclass(frozen=True)
-class Pool:
+class Role:
     """The bundles of one role and the labels of the nodes that may hold them."""
 
     role: str
@@ -175,7 +193,7 @@ class Pool:
         return sum(bundle.get(resource, 0.0) for bundle in self.bundles)
 
     def admits(self, node: dict) -> bool:
-        """Whether an alive node (an entry of `ray.nodes()`) carries every label this pool needs."""
+        """Whether an alive node (an entry of `ray.nodes()`) carries every label this role needs."""
         labels = node.get("Labels") or {}
         return bool(node.get("Alive")) and all(labels.get(key) == value for key, value in self.labels.items())
 
@@ -183,7 +201,7 @@ class Pool:
         return "nodes labelled " + ", ".join(f"{k}={v}" for k, v in self.labels.items()) if self.labels else "the Ray cluster"
 
     def selector(self, bundles: int) -> list[dict[str, str]] | None:
-        """bundle_label_selector of a placement group of `bundles` bundles of this pool, or None."""
+        """bundle_label_selector of a placement group of `bundles` bundles of this role, or None."""
         return [dict(self.labels) for _ in range(bundles)] if self.labels else None
 
 
@@ -269,7 +287,7 @@ def reserve(spec: ClusterSpec) -> Placement:
             raise
         log.warning("waiting up to %g s for the autoscaler to add nodes: %s", spec.placement_timeout_s, error)
     available = ray.available_resources()
-    targets, drafts = spec.target_pool(), spec.draft_pool()
+    targets, drafts = spec.target_role(), spec.draft_role()
     placement = Placement(
         target_groups=[placement_group(spec.target_bundles(), strategy="STRICT_PACK",
                                        bundle_label_selector=targets.selector(spec.tensor_parallel_size))
@@ -289,12 +307,13 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
     for resource, needed, present in _shortfalls(spec.total, nodes):
         raise PlacementError(f"cluster spec needs {needed:g} {resource}s ({spec.describe_total(resource)}) "
                              f"but the Ray cluster has {present:g}")
-    for pool in (pool for pool in spec.pools() if pool.labels):
-        admitted = [node for node in nodes if pool.admits(node)]
-        for resource, needed, present in _shortfalls(pool.total, admitted):
-            raise PlacementError(f"{pool.role} need {needed:g} {resource}s ({pool.arithmetic}) on {pool.where()}, "
+    for labels, roles in _by_labels(spec.roles()).items():
+        admitted = [node for node in nodes if roles[0].admits(node)]
+        for resource, needed, present in _shortfalls(lambda r: sum(role.total(r) for role in roles), admitted):
+            raise PlacementError(f"{' and '.join(role.role for role in roles)} need {needed:g} {resource}s "
+                                 f"({' + '.join(role.arithmetic for role in roles)}) on {roles[0].where()}, "
                                  f"which have {present:g} ({len(admitted)} alive)")
-    targets = spec.target_pool()
+    targets = spec.target_role()
     check_group_fits_a_node(spec.target_bundles(), [node for node in nodes if targets.admits(node)], targets.where())
 
 
@@ -314,6 +333,15 @@ def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict], where:
         f"no alive node of {where} can hold a whole target group ({_format(need)}): the shards of a "
         "tensor-parallel group must share a node; lower tensor_parallel_size or add bigger nodes"
     )
+
+
+def _by_labels(roles: list[Role]) -> dict[tuple, list[Role]]:
+    """Roles that name node labels, grouped by them: roles sent to the same nodes must fit there together."""
+    groups: dict[tuple, list[Role]] = {}
+    for role in roles:
+        if role.labels:
+            groups.setdefault(tuple(sorted(role.labels.items())), []).append(role)
+    return groups
 
 
 def _resources(node: dict) -> dict[str, float]:
@@ -346,7 +374,7 @@ def _wait_ready(placement: Placement, spec: ClusterSpec, available: dict[str, fl
     _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=first)
     if pending and spec.placement_timeout_s > first:
         log.warning("placement groups pending after %g s: %s; waiting up to %g s (%s)", first,
-                    ", ".join(refs[r] for r in pending), spec.placement_timeout_s, _free_by_pool(spec))
+                    ", ".join(refs[r] for r in pending), spec.placement_timeout_s, _free_by_role(spec))
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=spec.placement_timeout_s - first)
     if not pending:
         return
@@ -360,16 +388,16 @@ def _wait_ready(placement: Placement, spec: ClusterSpec, available: dict[str, fl
     )
 
 
-def _free_by_pool(spec: ClusterSpec) -> str:
+def _free_by_role(spec: ClusterSpec) -> str:
     """What each role's nodes have free now, for the log of a pending placement."""
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     free = ray.available_resources()  # cluster-wide; per node only where labels split the pools
     parts = []
-    for pool in spec.pools():
-        admitted = [node for node in nodes if pool.admits(node)]
+    for role in spec.roles():
+        admitted = [node for node in nodes if role.admits(node)]
         total = {r: sum(_resources(n).get(r, 0.0) for n in admitted) for r in CHECKED_RESOURCES}
-        parts.append(f"{pool.role} need {_format({r: pool.total(r) for r in CHECKED_RESOURCES})} on "
-                     f"{pool.where()}: {len(admitted)} alive with {_format(total)} in all")
+        parts.append(f"{role.role} need {_format({r: role.total(r) for r in CHECKED_RESOURCES})} on "
+                     f"{role.where()}: {len(admitted)} alive with {_format(total)} in all")
     return "; ".join(parts) + f"; free in the cluster: {_format({r: free.get(r, 0.0) for r in CHECKED_RESOURCES})}"
 
 

@@ -5,11 +5,15 @@ actors; draft actors are DraftWorkers that restart themselves when they die (the
 state is rebuilt from the next call's token ids). Each target group gets its own engine and engine
 loop thread, and every engine uses all draft actors, starting from a different one, so that the
 two micro-batches of a pipelined engine are drafted on different actors. With `colocate_drafter`
-there are no draft actors: each target shard runs its own drafter in its process.
+there are no draft actors: each target shard runs its own drafter in its process. With
+`draft_pool`, neither: each target group drafts through a PooledDrafter on the drafters of a pool
+shared with other replicas (cluster/runtime/draft_pool.py).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -27,6 +31,7 @@ from cluster.engine.cost import measure as measure_cost
 from cluster.engine.loop import EngineLoop, least_loaded
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
+from cluster.runtime.draft_pool import PooledDrafter, pool_actor
 from cluster.runtime.placement import ClusterSpec, Placement, reserve
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,26 @@ def _build_in_draft_actor(config):
     """A draft actor's drafter, with torch on the actor's cores (module level: pickled)."""
     use_cores(config.cpu_threads)
     return build_proposer(config)
+
+
+def draft_actor_builder(spec: ClusterSpec, groups: int) -> Callable:
+    """What a draft actor runs to build its drafter: the engine's, with room for the requests of
+    `groups` target groups (a draft actor drafts for every group it serves)."""
+    config = spec.engine
+    dtype = getattr(torch, config.dtype)
+    shared = config.model_copy(update={"max_sequences": config.max_sequences * groups,
+                                       "kv_cache_bytes": config.kv_budget(load_config(resolve_model(config.model)), dtype)
+                                       * groups})
+    return functools.partial(_build_in_draft_actor, shared)
+
+
+def pool_fingerprint(spec: ClusterSpec) -> str:
+    """What replicas sharing a draft pool must agree on: the engine (target, drafter and their
+    settings) and the drafters' resources and labels."""
+    engine = spec.engine
+    digest = hashlib.sha1(json.dumps([engine.model_dump(mode="json"), spec.gpus_per_draft_actor, spec.cpus_per_actor,
+                                      spec.draft_node_labels, spec.draft_pool.model_dump()], sort_keys=True).encode())
+    return f"model {engine.model}, method {engine.method} (settings {digest.hexdigest()[:10]})"
 
 
 class ColocatedWorker:
@@ -59,6 +84,7 @@ class SpecCluster:
         self.spec = spec
         self.placement: Placement | None = None
         self.drafters: list[RayActorWorker] = []
+        self.pooled: list[PooledDrafter] = []
         self.target_groups: list[TargetGroup] = []
         self.loops: list[EngineLoop] = []
 
@@ -67,20 +93,23 @@ class SpecCluster:
         path = resolve_model(engine_config.model)  # convert once here, not in every actor
         self.tokenizer = load_tokenizer(path)
         self.model_config = model_config = load_config(path)
-        self.placement = reserve(spec)
         try:
+            if spec.draft_pool is not None:  # first: a replica the pool refuses reserves nothing
+                fingerprint = pool_fingerprint(spec)
+                pool = pool_actor(spec, fingerprint)
+                self.pooled = [PooledDrafter(pool, fingerprint, spec.draft_pool.report_period_s)
+                               for _ in range(spec.num_target_groups)]
+            self.placement = reserve(spec)
             draft_actor = ray.remote(DraftWorker)
             # every draft actor serves the requests of every target group: room for all of them
-            groups, dtype = spec.num_target_groups, getattr(torch, engine_config.dtype)
-            shared = engine_config.model_copy(update={"max_sequences": engine_config.max_sequences * groups,
-                                                      "kv_cache_bytes": engine_config.kv_budget(model_config, dtype) * groups})
-            builder = functools.partial(_build_in_draft_actor, shared)
+            builder = draft_actor_builder(spec, spec.num_target_groups) if spec.draft_actor_count else None
             self.drafters = [
                 RayActorWorker(draft_actor.options(max_restarts=-1, **self.placement.draft_options(i)).remote(
                     builder, learn_in_background=True))  # finished outputs learned between propose calls
                 for i in range(spec.draft_actor_count)
             ]
-            self._hidden_spec = self.drafters[0].submit("hidden_spec").result() if self.drafters else ((), "float32")
+            any_drafter = self.drafters[0] if self.drafters else self.pooled[0] if self.pooled else None
+            self._hidden_spec = any_drafter.submit("hidden_spec").result() if any_drafter else ((), "float32")
             self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
             colocated = spec.colocate_drafter and engine_config.method != "none"
             plan = engine_config.step_token_budget is None and (bool(self.drafters) or colocated)
@@ -88,6 +117,8 @@ class SpecCluster:
             for group in range(spec.num_target_groups):
                 count = len(self.drafters)
                 drafters = [self.drafters[(group + k) % count] for k in range(count)]
+                if self.pooled:
+                    drafters = [self.pooled[group]]
                 if colocated:
                     drafters = [ColocatedWorker(functools.partial(lambda g: self.target_groups[g], group))]
                 costly_drafter = bool(drafters) and drafters[0].submit("runs_a_model").result()
@@ -99,6 +130,8 @@ class SpecCluster:
                     if plan else None,
                     costly_drafter=costly_drafter,
                 )
+                if self.pooled:
+                    self.pooled[group].counters = functools.partial(getattr, engine, "counters")
                 self.loops.append(EngineLoop(engine, name=f"engine-{group}"))
         except BaseException:
             self.shutdown()
@@ -149,6 +182,8 @@ class SpecCluster:
             group.shutdown()
         for drafter in self.drafters:
             drafter.shutdown()
+        for pooled in self.pooled:
+            pooled.shutdown()
         if self.placement is not None:
             self.placement.release()
-        self.loops, self.target_groups, self.drafters, self.placement = [], [], [], None
+        self.loops, self.target_groups, self.drafters, self.pooled, self.placement = [], [], [], [], None

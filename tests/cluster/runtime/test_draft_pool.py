@@ -1,0 +1,94 @@
+"""A draft pool shared by target groups of several replicas (SpecClusters standing for Serve
+replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, sizing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from actors.model.loader import load_model
+from cluster.engine.build import local_engine
+from cluster.engine.config import EngineConfig
+from cluster.runtime.draft_pool import NAMESPACE, Window, decide_size
+from cluster.runtime.draft_pool_spec import DraftPoolSpec
+from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.spec_cluster import SpecCluster
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
+from tests.cluster.runtime.cluster_requests import NEW_TOKENS, UNPLANNED, expected, requests, run_while  # noqa: F401
+from tests.conftest import IdTokenizer
+
+
+def pooled_spec(model_dir, name: str, **pool) -> ClusterSpec:
+    engine = EngineConfig(model=str(model_dir), method="draft", draft="layer-skip:2", max_sequences=4, max_len=256,
+                          **UNPLANNED)
+    return ClusterSpec(engine=engine, draft_pool=DraftPoolSpec(name=name, report_period_s=0.5, idle_shutdown_s=2,
+                                                               **pool))
+
+
+def pool_is_gone(name: str, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(f"draft-pool-{name}", namespace=NAMESPACE)
+        except ValueError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_replicas_share_the_pool_spread_over_its_drafters_and_lose_nothing_when_one_dies(ray_four_gpus, tiny_model_dir,
+                                                                                        expected):
+    """Two replicas (SpecClusters) name one pool of two drafters: 2 target shards + 2 drafters take the
+    4 GPUs. One replica's requests spread over both drafters; one drafter is killed mid-generation
+    while both replicas decode: every output equals plain decoding. The pool ends after them."""
+    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
+    long_expected = [o.token_ids for o in engine.generate(requests("d", NEW_TOKENS * 4))]
+    spec = pooled_spec(tiny_model_dir, "shared", min_drafters=2, max_drafters=2)
+    replicas = [SpecCluster(spec).start() for _ in range(2)]
+    try:
+        assert ray.available_resources().get("GPU", 0) == 0
+        pooled = replicas[0].pooled[0]
+        assert len(pooled.members) == 2 and set(pooled.members) == set(replicas[1].pooled[0].members)
+        other, holders = {}, {}
+        neighbour = threading.Thread(target=lambda: other.update(outputs=replicas[1].generate(requests("b"), 180)))
+
+        def kill_a_drafter():
+            neighbour.start()
+            holders.update(pooled.holder)
+            ray.kill(pooled.members[pooled.holder["d0"]], no_restart=False)
+
+        outputs = run_while(replicas[0], kill_a_drafter, "d")
+        neighbour.join(180)
+        assert sorted(holders.values()).count(holders["d0"]) == 2  # 4 requests, 2 on each drafter
+        assert [o.token_ids for o in outputs] == long_expected
+        assert [o.token_ids for o in other["outputs"]] == expected
+        again = replicas[0].generate(requests("n"), timeout_s=120)
+        assert [o.token_ids for o in again] == expected
+        assert sum(o.stats.accepted for o in again) > 0  # drafting goes on after the loss
+        mismatched = ClusterSpec(engine=spec.engine.model_copy(update={"max_len": 128}), draft_pool=spec.draft_pool)
+        with pytest.raises(Exception, match="give it a draft_pool.name of its own"):
+            SpecCluster(mismatched).start()
+    finally:
+        for replica in replicas:
+            replica.shutdown()
+    assert pool_is_gone("shared")
+
+
+def test_the_pool_grows_when_calls_wait_and_shrinks_after_waits_stay_low():
+    spec = DraftPoolSpec(name="p", min_drafters=1, max_drafters=3, scale_up_wait_fraction=0.2,
+                         scale_down_wait_fraction=0.02, scale_down_after_s=60)
+    window = Window()
+    assert window.wait_fraction() is None and decide_size(2, None, spec, None, 0.0) == (2, None)
+    window.add(calls=10, wait_s=0.5, passes=20, pass_s=2.0)  # 50 ms waits against 100 ms passes
+    assert window.wait_fraction() == pytest.approx(0.5)
+    assert decide_size(1, 0.5, spec, None, 0.0) == (2, None)
+    assert decide_size(3, 0.5, spec, None, 0.0) == (3, None)  # at max_drafters
+    assert decide_size(2, 0.1, spec, 5.0, 10.0) == (2, None)  # between the thresholds: no change, timer reset
+    assert decide_size(2, 0.01, spec, None, 10.0) == (2, 10.0)  # low: the timer starts
+    assert decide_size(2, 0.01, spec, 10.0, 69.0) == (2, 10.0)
+    assert decide_size(2, 0.01, spec, 10.0, 70.0) == (1, None)
+    assert decide_size(1, 0.0, spec, 10.0, 500.0) == (1, 10.0)  # at min_drafters
+    with pytest.raises(ValueError, match="max_drafters"):
+        DraftPoolSpec(name="p", min_drafters=2, max_drafters=1)
