@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=comma_list(), default=["1", "2", "4"], help="target groups (replicas), levels")
     parser.add_argument("--clients", type=int, default=2, help="requests in flight per replica")
     parser.add_argument("--prompts", type=int, default=8, help="questions each replica answers per layout")
-    parser.add_argument("--method", default="draft", help="drafter (a draft model shows what a shared drafter costs)")
+    parser.add_argument("--method", default="suffix", help="drafter of every target group")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--fake-gpus", type=int, default=8, help="GPUs Ray pretends to have (CPU machine)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/draft-pool-<time>.json)")

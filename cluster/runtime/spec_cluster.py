@@ -112,7 +112,7 @@ class SpecCluster:
             self._hidden_spec = any_drafter.submit("hidden_spec").result() if any_drafter else ((), "float32")
             self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
             colocated = spec.colocate_drafter and engine_config.method != "none"
-            plan = engine_config.step_token_budget is None and (bool(self.drafters) or colocated)
+            plan = engine_config.step_token_budget is None and (bool(self.drafters or self.pooled) or colocated)
             key = cost_key_of(engine_config, spec.tensor_parallel_size)
             for group in range(spec.num_target_groups):
                 count = len(self.drafters)

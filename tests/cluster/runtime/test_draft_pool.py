@@ -76,6 +76,18 @@ def test_replicas_share_the_pool_spread_over_its_drafters_and_lose_nothing_when_
     assert pool_is_gone("shared")
 
 
+def test_pooled_drafts_are_planned_like_a_replicas_own(ray_four_gpus, tiny_model_dir):
+    """With the planner on (no step_token_budget), a replica drafting from a pool plans its drafts
+    on its measured cost curve, as one with draft actors of its own does."""
+    spec = pooled_spec(tiny_model_dir, "planned")
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"step_token_budget": None})})
+    cluster = SpecCluster(spec).start()
+    try:
+        assert cluster.loops[0].engine.planner is not None and cluster.loops[0].engine.costly_drafter
+    finally:
+        cluster.shutdown()
+
+
 def test_the_pool_grows_when_calls_wait_and_shrinks_after_waits_stay_low():
     spec = DraftPoolSpec(name="p", min_drafters=1, max_drafters=3, scale_up_wait_fraction=0.2,
                          scale_down_wait_fraction=0.02, scale_down_after_s=60)
