@@ -261,10 +261,8 @@ class PooledDrafter:
             return self._propose(args[0])
         if method == "release":
             return self._release(*args)
-        future: Future = Future()  # runs_a_model, hidden_spec, flush, ping: any member answers for all
-        ray_future = getattr(next(iter(self.members.values())), method).remote(*args).future()
-        ray_future.add_done_callback(lambda done: _settle(future, done))
-        return future
+        # runs_a_model, hidden_spec, flush, ping: any member answers for all
+        return getattr(next(iter(self.members.values())), method).remote(*args).future()
 
     def _choose(self, request_id: str) -> str:
         """The member holding the request, else the one this client loads least."""
@@ -386,13 +384,6 @@ class PooledDrafter:
             ray.get(self.pool.detach.remote(self.client_id), timeout=10)
         except Exception as error:
             log.warning("could not detach from the draft pool: %s", error)
-
-
-def _settle(future: Future, done: Future) -> None:
-    try:
-        future.set_result(done.result())
-    except BaseException as error:
-        future.set_exception(error)
 
 
 def _done(value) -> Future:

@@ -2,6 +2,7 @@
 replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, sizing."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -9,7 +10,8 @@ import pytest
 import ray
 
 from actors.model.loader import load_model
-from cluster.engine.build import local_engine
+from cluster.engine.build import cost_key_of, local_engine
+from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.engine.config import EngineConfig
 from cluster.runtime.draft_pool import NAMESPACE, Window, decide_size
 from cluster.runtime.draft_pool_spec import DraftPoolSpec
@@ -81,6 +83,10 @@ def test_pooled_drafts_are_planned_like_a_replicas_own(ray_four_gpus, tiny_model
     on its measured cost curve, as one with draft actors of its own does."""
     spec = pooled_spec(tiny_model_dir, "planned")
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"step_token_budget": None})})
+    curve = CostCurve([CostPoint(tokens, 1, 0.01) for tokens in TOKEN_POINTS])  # given, not measured (seconds)
+    path = curves_folder() / f"{cost_key_of(spec.engine)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve.to_json()))
     cluster = SpecCluster(spec).start()
     try:
         assert cluster.loops[0].engine.planner is not None and cluster.loops[0].engine.costly_drafter
