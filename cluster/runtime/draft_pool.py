@@ -116,7 +116,7 @@ class DraftPool:
     def _add(self) -> None:
         """One drafter more, in a placement group of its own (on a draft-labelled node when the spec
         names labels); PlacementError when it cannot be placed within placement_timeout_s."""
-        draft = self.spec.draft_pool_bundle()
+        draft = self.spec.draft_bundle()
         group = placement_group([draft], bundle_label_selector=[dict(self.spec.draft_node_labels)]
                                 if self.spec.draft_node_labels else None)
         ready, _ = ray.wait([group.ready()], timeout=self.spec.placement_timeout_s)
@@ -243,9 +243,9 @@ class PooledDrafter:
         """Members whose last call failed: no new requests until they answer a ping (a restarted
         actor does; one that is gone for good leaves the pool's list)."""
         self._lock = threading.Lock()
-        self._waits, self._reported = [0, 0.0], (0, 0.0)
         self.waited = [0, 0.0]
         """Draft calls and their seconds of waiting (round trip less the drafter's work), in all."""
+        self._reported = (0, 0.0, 0, 0.0)  # calls, wait, target passes, pass seconds at the last report
         self._period, self._next_report = report_period_s, time.monotonic() + report_period_s
         self._refresh(*ray.get(pool.attach.remote(self.client_id, fingerprint)))
 
@@ -317,9 +317,8 @@ class PooledDrafter:
                 trees[i] = next(trees_of)
             unknown += reply.unknown
             with self._lock:
-                for waits in (self._waits, self.waited):
-                    waits[0] += 1
-                    waits[1] += max(0.0, elapsed - reply.busy_s)
+                self.waited[0] += 1
+                self.waited[1] += max(0.0, elapsed - reply.busy_s)
         if failed:
             log.warning("draft pool member(s) %s failed; their requests move to the others", failed)
             with self._lock:
@@ -362,10 +361,10 @@ class PooledDrafter:
         counters = self.counters() if self.counters is not None else None
         passes, pass_s = (counters.steps, counters.verify_seconds) if counters is not None else (0, 0.0)
         with self._lock:
-            calls, wait_s = self._waits
-            self._waits = [0, 0.0]
-        reported, self._reported = self._reported, (passes, pass_s)
-        version = self.pool.report.remote(self.client_id, calls, wait_s, passes - reported[0], pass_s - reported[1])
+            totals = (*self.waited, passes, pass_s)
+        since = [now_total - then for now_total, then in zip(totals, self._reported)]
+        self._reported = totals
+        version = self.pool.report.remote(self.client_id, *since)
         version.future().add_done_callback(self._on_version)
 
     def _on_version(self, done: Future) -> None:

@@ -135,8 +135,8 @@ class ClusterSpec(BaseModel):
             return 0
         return self.num_draft_actors
 
-    def draft_pool_bundle(self) -> Bundle:
-        """The bundle of one drafter of a draft pool (each in a placement group of its own)."""
+    def draft_bundle(self) -> Bundle:
+        """The bundle of one draft actor (or one drafter of a draft pool)."""
         return _bundle(self.gpus_per_draft_actor, self.cpus_per_actor)
 
     def target_bundles(self) -> list[Bundle]:
@@ -145,12 +145,11 @@ class ClusterSpec(BaseModel):
 
     def draft_bundles(self) -> list[Bundle]:
         """Bundles of all draft actors (actor i runs in bundle i); empty when engine.method is none."""
-        return [_bundle(self.gpus_per_draft_actor, self.cpus_per_actor) for _ in range(self.draft_actor_count)]
+        return [self.draft_bundle() for _ in range(self.draft_actor_count)]
 
     def total(self, resource: str) -> float:
         """How much of a resource all target groups and draft actors reserve together."""
-        bundles = self.target_bundles() * self.num_target_groups + self.draft_bundles()
-        return sum(bundle.get(resource, 0.0) for bundle in bundles)
+        return sum(role.total(resource) for role in self.roles())
 
     def target_role(self) -> Role:
         """All target groups' bundles and the labels of the nodes that may hold them."""
@@ -173,7 +172,7 @@ class ClusterSpec(BaseModel):
     def describe_total(self, resource: str) -> str:
         """The arithmetic behind `total`, so an error message shows where the number comes from."""
         target_each = self.target_bundles()[0].get(resource, 0.0)
-        draft_each = _bundle(self.gpus_per_draft_actor, self.cpus_per_actor).get(resource, 0.0)
+        draft_each = self.draft_bundle().get(resource, 0.0)
         return (
             f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size} x {target_each:g} + "
             f"{self.draft_actor_count} draft actors x {draft_each:g}"
