@@ -4,8 +4,11 @@ A drafter costs a few percent of a target, so draft GPUs that grow in lockstep w
 are mostly idle. With `ClusterSpec.draft_pool`, the draft actors form one pool per pool name (M
 drafters : N target groups, from any replica), held by a named, detached `DraftPool` actor that
 outlives any one replica: replicas attach on start and detach on shutdown, a replica that stops
-reporting is dropped, and the pool ends itself (its drafters and their placement groups with it)
-once no replica has been attached for `idle_shutdown_s`.
+reporting (each reports every `report_period_s`, busy or idle) is dropped, and the pool ends itself
+(its drafters and their placement groups with it) once no replica has been attached for
+`idle_shutdown_s`. Ray restarts a keeper whose process or node dies, with fresh drafters (the old
+ones and their groups die with their owner); a replica that finds its pool gone for good creates it
+again (the first of several to ask does; the others attach to it).
 
 Each target group drafts through a `PooledDrafter`: a request's calls go to the drafter that holds
 its state, a new request to the drafter this client loads least; a drafter that fails (its process,
@@ -16,7 +19,8 @@ whole in every drafter, under the request's cache scope.
 
 The pool sizes itself between `min_drafters` and `max_drafters` on its own signal: the time a draft
 call waits (queue and transfer: its round trip less the drafter's own work) against the time of the
-target's verification pass, both reported by the clients every `report_period_s`.
+target's verification pass, both reported by the clients every `report_period_s`. A period in
+which the clients reported and made no draft call counts as no wait, so an idle pool shrinks.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_worker import DraftReply, DraftWorker
 from cluster.runtime.draft_pool_spec import DraftPoolSpec
-from cluster.runtime.placement import PlacementError
+from cluster.runtime.placement import PlacementError, group_name
 from speculators.proposers.base import DraftRequest
 from speculators.tree import DraftTree
 
@@ -48,18 +52,25 @@ NAMESPACE = "specserve"
 class Window:
     """Waits and passes reported since the pool last decided its size."""
 
+    reports: int = 0
     calls: int = 0
     wait_s: float = 0.0
     passes: int = 0
     pass_s: float = 0.0
 
     def add(self, calls: int, wait_s: float, passes: int, pass_s: float) -> None:
+        self.reports += 1
         self.calls, self.wait_s = self.calls + calls, self.wait_s + wait_s
         self.passes, self.pass_s = self.passes + passes, self.pass_s + pass_s
 
     def wait_fraction(self) -> float | None:
-        """Mean wait of a draft call over mean target pass; None before both were seen."""
-        if not self.calls or not self.passes or self.pass_s <= 0:
+        """Mean wait of a draft call over mean target pass: 0 when clients reported no call (idle);
+        None when nobody reported, or calls came without target passes to compare them with."""
+        if not self.reports:
+            return None
+        if not self.calls:
+            return 0.0
+        if not self.passes or self.pass_s <= 0:
             return None
         return (self.wait_s / self.calls) / (self.pass_s / self.passes)
 
@@ -98,27 +109,46 @@ class DraftPool:
         self.spec, self.pool, self.fingerprint = spec, spec.draft_pool, fingerprint
         self._builder = draft_actor_builder(spec, self.pool.groups_per_drafter)
         self.members: list[Member] = []
-        self.version = 0
+        self._incarnation, self._changes = uuid.uuid4().hex[:8], 0
+        """The members' version: a restarted keeper (new drafters) never repeats an earlier one."""
         self.clients: dict[str, float] = {}  # client id -> last heard from
         self.window, self._low_since = Window(), None
         self._decided = time.monotonic()
         self._lock = threading.Lock()
-        for _ in range(self.pool.min_drafters):
-            self._add()
-        self._idle_since: float | None = time.monotonic()
         tags = {"pool": self.pool.name}
         self._drafters_gauge = Gauge("specserve_draft_pool_drafters", "drafters in the draft pool", tag_keys=("pool",))
         self._wait_gauge = Gauge("specserve_draft_pool_wait_fraction", "mean wait of a draft call (queue, transfer) "
                                  "over the mean target pass, over the pool's last decision period", tag_keys=("pool",))
+        self._resize(self.pool.min_drafters)
+        self._idle_since: float | None = time.monotonic()
         self._drafters_gauge.set(len(self.members), tags)
         threading.Thread(target=self._watch, daemon=True, name="draft-pool-watch").start()
 
-    def _add(self) -> None:
-        """One drafter more, in a placement group of its own (on a draft-labelled node when the spec
+    @property
+    def version(self) -> str:
+        return f"{self._incarnation}.{self._changes}"
+
+    def _resize(self, size: int) -> None:
+        """Add or remove drafters until there are `size` (outside the lock: placing one may take
+        placement_timeout_s, and clients keep reporting meanwhile)."""
+        while len(self.members) < size:
+            member = self._place()
+            with self._lock:
+                self.members, self._changes = [*self.members, member], self._changes + 1
+            log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
+        while len(self.members) > size:
+            with self._lock:
+                member, self.members, self._changes = self.members[-1], self.members[:-1], self._changes + 1
+            ray.kill(member.actor)
+            remove_placement_group(member.group)
+            log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
+
+    def _place(self) -> Member:
+        """One drafter, in a placement group of its own (on a draft-labelled node when the spec
         names labels); PlacementError when it cannot be placed within placement_timeout_s."""
         draft = self.spec.draft_bundle()
         group = placement_group([draft], bundle_label_selector=[dict(self.spec.draft_node_labels)]
-                                if self.spec.draft_node_labels else None)
+                                if self.spec.draft_node_labels else None, name=group_name(f"draft pool {self.pool.name}"))
         ready, _ = ray.wait([group.ready()], timeout=self.spec.placement_timeout_s)
         if not ready:
             remove_placement_group(group)
@@ -129,18 +159,9 @@ class DraftPool:
             max_restarts=-1, num_gpus=draft.get("GPU", 0.0), num_cpus=draft.get("CPU", 0.0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0),
         ).remote(self._builder, learn_in_background=True)
-        self.members.append(Member(uuid.uuid4().hex[:8], actor, group))
-        self.version += 1
-        log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
+        return Member(uuid.uuid4().hex[:8], actor, group)
 
-    def _remove(self) -> None:
-        member = self.members.pop()
-        self.version += 1
-        ray.kill(member.actor)
-        remove_placement_group(member.group)
-        log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
-
-    def attach(self, client_id: str, fingerprint: str) -> tuple[int, list[tuple[str, object]]]:
+    def attach(self, client_id: str, fingerprint: str) -> tuple[str, list[tuple[str, object]]]:
         """Register a client (one target group); the pool's members. A client whose deployment
         differs from the pool's (another model or drafter) is refused with what differs."""
         if fingerprint != self.fingerprint:
@@ -157,12 +178,12 @@ class DraftPool:
             if not self.clients:
                 self._idle_since = time.monotonic()
 
-    def members_now(self) -> tuple[int, list[tuple[str, object]]]:
+    def members_now(self) -> tuple[str, list[tuple[str, object]]]:
         return self.version, [(m.member_id, m.actor) for m in self.members]
 
-    def report(self, client_id: str, calls: int, wait_s: float, passes: int, pass_s: float) -> int:
+    def report(self, client_id: str, calls: int, wait_s: float, passes: int, pass_s: float) -> str:
         """A client's waits and target passes since its last report; the members' version, so that a
-        client learns of a resize with its next report."""
+        client learns of a resize (or of a restarted keeper) with its next report."""
         with self._lock:
             self.clients[client_id] = time.monotonic()
             self._idle_since = None
@@ -177,6 +198,7 @@ class DraftPool:
         period = self.pool.report_period_s
         while True:
             time.sleep(period)
+            size = None
             with self._lock:
                 now = time.monotonic()
                 for client, heard in list(self.clients.items()):
@@ -193,17 +215,14 @@ class DraftPool:
                         self._wait_gauge.set(fraction, {"pool": self.pool.name})
                     size, self._low_since = decide_size(len(self.members), fraction, self.pool, self._low_since, now)
                     self.window, self._decided = Window(), now
-                    try:
-                        while len(self.members) < size:
-                            self._add()
-                    except PlacementError as error:  # no room now; the next decision tries again
-                        log.warning("%s", error)
-                    self._drafters_gauge.set(len(self.members), {"pool": self.pool.name})
-                    while len(self.members) > size:
-                        self._remove()
+            if size is not None:
+                try:
+                    self._resize(size)
+                except PlacementError as error:  # no room now; the next decision tries again
+                    log.warning("%s", error)
+                self._drafters_gauge.set(len(self.members), {"pool": self.pool.name})
         log.info("draft pool %s: no replica for %g s; ending", self.pool.name, self.pool.idle_shutdown_s)
-        while self.members:
-            self._remove()
+        self._resize(0)
         ray.kill(ray.get_runtime_context().current_actor)  # detached: nobody else ends it
 
 
@@ -212,10 +231,12 @@ def _describe(bundle: dict[str, float]) -> str:
 
 
 def pool_actor(spec, fingerprint: str):
-    """The pool named in `spec.draft_pool`, created by the first replica that asks for it."""
+    """The pool named in `spec.draft_pool`: the running one, or a new one (the first replica to ask
+    creates it; Ray makes the others get that one)."""
     name = f"draft-pool-{spec.draft_pool.name}"
     return ray.remote(DraftPool).options(
         name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0, max_concurrency=16,
+        max_restarts=-1,
     ).remote(spec, fingerprint)
 
 
@@ -230,14 +251,19 @@ class _Call:
 
 
 class PooledDrafter:
-    """A target group's drafter: the pool's members behind the engine's worker convention."""
+    """A target group's drafter: the pool's members behind the engine's worker convention.
 
-    def __init__(self, pool, fingerprint: str, report_period_s: float, counters=None):
-        self.pool, self.client_id = pool, uuid.uuid4().hex[:12]
+    A thread of its own reports to the pool every report_period_s (busy or idle: an attached replica
+    keeps its pool alive), fetches the members when their version changed or a member failed, and
+    attaches again, creating the pool anew, when the pool is gone for good."""
+
+    def __init__(self, connect: Callable[[], object], fingerprint: str, report_period_s: float, counters=None):
+        """`connect()` returns the pool's actor handle (creating the pool if there is none)."""
+        self.connect, self.fingerprint, self.client_id = connect, fingerprint, uuid.uuid4().hex[:12]
         self.counters = counters  # () -> EngineCounters of the engine drafting through this (set after it is built)
         self.holder: dict[str, str] = {}
         self.members: dict[str, object] = {}
-        self.version = -1
+        self.version: str | None = None
         self._load: dict[str, int] = {}
         self._suspect: set[str] = set()
         """Members whose last call failed: no new requests until they answer a ping (a restarted
@@ -246,10 +272,16 @@ class PooledDrafter:
         self.waited = [0, 0.0]
         """Draft calls and their seconds of waiting (round trip less the drafter's work), in all."""
         self._reported = (0, 0.0, 0, 0.0)  # calls, wait, target passes, pass seconds at the last report
-        self._period, self._next_report = report_period_s, time.monotonic() + report_period_s
-        self._refresh(*ray.get(pool.attach.remote(self.client_id, fingerprint)))
+        self._period = report_period_s
+        self._stale, self._stop = threading.Event(), threading.Event()
+        self._attach()
+        threading.Thread(target=self._report_forever, daemon=True, name="draft-pool-client").start()
 
-    def _refresh(self, version: int, members: Sequence[tuple[str, object]]) -> None:
+    def _attach(self) -> None:
+        self.pool = self.connect()
+        self._refresh(*ray.get(self.pool.attach.remote(self.client_id, self.fingerprint)))
+
+    def _refresh(self, version: str, members: Sequence[tuple[str, object]]) -> None:
         with self._lock:
             self.version, self.members = version, dict(members)
             self.holder = {r: m for r, m in self.holder.items() if m in self.members}
@@ -275,11 +307,10 @@ class PooledDrafter:
         return member
 
     def _propose(self, requests: Sequence[DraftRequest]) -> Future:
-        self._maybe_report()
         call, future = _Call(list(requests)), Future()
         if not self.members:  # the pool has no drafter now: a plain step
             future.set_exception(RuntimeError("the draft pool has no drafter"))
-            self._fetch_members()
+            self._stale.set()
             return future
         with self._lock:
             for index, request in enumerate(call.requests):
@@ -335,7 +366,7 @@ class PooledDrafter:
         try:
             ping.result()
         except Exception:
-            self._fetch_members()
+            self._stale.set()
         else:
             with self._lock:
                 self._suspect.discard(member)
@@ -351,34 +382,42 @@ class PooledDrafter:
         futures = [actor.release.remote(request_ids, outputs, scopes).future() for actor in actors]
         return futures[0] if futures else _done(None)
 
-    def _maybe_report(self) -> None:
-        """Every report_period_s: waits and target passes since the last report; a new members'
-        version fetches the members again."""
-        now = time.monotonic()
-        if now < self._next_report:
-            return
-        self._next_report = now + self._period
+    def _report_forever(self) -> None:
+        while not self._stop.is_set():
+            refetch = self._stale.wait(self._period)
+            self._stale.clear()
+            if self._stop.is_set():
+                return
+            try:
+                version = ray.get(self.pool.report.remote(self.client_id, *self._since_last_report()),
+                                  timeout=max(self._period, 10))
+                if refetch or version != self.version:
+                    self._refresh(*ray.get(self.pool.members_now.remote(), timeout=max(self._period, 10)))
+            except ray.exceptions.ActorDiedError:
+                log.warning("the draft pool is gone; creating it again")
+                self._reconnect()
+            except Exception as error:  # the pool is busy or restarting: keep the members known
+                log.warning("draft pool did not answer: %s", error)
+
+    def _since_last_report(self) -> tuple[int, float, int, float]:
+        """Draft calls, their waits, target passes and their seconds since the last report."""
         counters = self.counters() if self.counters is not None else None
         passes, pass_s = (counters.steps, counters.verify_seconds) if counters is not None else (0, 0.0)
         with self._lock:
             totals = (*self.waited, passes, pass_s)
-        since = [now_total - then for now_total, then in zip(totals, self._reported)]
+        since = tuple(now_total - then for now_total, then in zip(totals, self._reported))
         self._reported = totals
-        version = self.pool.report.remote(self.client_id, *since)
-        version.future().add_done_callback(self._on_version)
+        return since
 
-    def _on_version(self, done: Future) -> None:
+    def _reconnect(self) -> None:
         try:
-            if done.result() != self.version:
-                self._fetch_members()
-        except Exception as error:  # the pool is restarting: keep the members known
-            log.warning("draft pool did not answer a report: %s", error)
-
-    def _fetch_members(self) -> None:
-        """Ask the pool for its members; they replace the known ones when the answer comes."""
-        self.pool.members_now.remote().future().add_done_callback(lambda done: self._refresh(*done.result()))
+            self._attach()
+        except Exception as error:  # tried again on the next period
+            log.warning("could not attach to the draft pool again: %s", error)
 
     def shutdown(self) -> None:
+        self._stop.set()
+        self._stale.set()
         try:
             ray.get(self.pool.detach.remote(self.client_id), timeout=10)
         except Exception as error:

@@ -26,6 +26,7 @@ for nothing, so a bundle of an actor that needs neither GPU nor CPU asks for `MI
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ MIN_BUNDLE_CPU = 0.01
 CHECKED_RESOURCES = ("GPU", "CPU")
 PENDING_LOG_AFTER_S = 3.0
 """A placement still pending after this long is logged with what each role's nodes hold."""
+GROUP_PREFIX = "specserve: "
 
 
 class PlacementError(RuntimeError):
@@ -287,16 +289,38 @@ def reserve(spec: ClusterSpec) -> Placement:
         log.warning("waiting up to %g s for the autoscaler to add nodes: %s", spec.placement_timeout_s, error)
     available = ray.available_resources()
     targets, drafts = spec.target_role(), spec.draft_role()
+    model = spec.engine.model.rstrip("/").rsplit("/", 1)[-1]
     placement = Placement(
         target_groups=[placement_group(spec.target_bundles(), strategy="STRICT_PACK",
-                                       bundle_label_selector=targets.selector(spec.tensor_parallel_size))
-                       for _ in range(spec.num_target_groups)],
-        drafts=placement_group(drafts.bundles, strategy="SPREAD", bundle_label_selector=drafts.selector(len(drafts.bundles)))
+                                       bundle_label_selector=targets.selector(spec.tensor_parallel_size),
+                                       name=group_name(f"{model} target group {i}"))
+                       for i in range(spec.num_target_groups)],
+        drafts=placement_group(drafts.bundles, strategy="SPREAD", bundle_label_selector=drafts.selector(len(drafts.bundles)),
+                               name=group_name(f"{model} draft actors"))
         if drafts else None,
         notes=_notes(spec),
     )
     _wait_ready(placement, spec, available)
     return placement
+
+
+def group_name(what: str) -> str:
+    """A placement group's name: this project's prefix, by which `pending_placements` finds it, and
+    a suffix of its own (Ray refuses a second group of the same name: each replica has its groups)."""
+    return f"{GROUP_PREFIX}{what} ({uuid.uuid4().hex[:6]})"
+
+
+def pending_placements() -> list[dict]:
+    """This project's placement groups that Ray has not reserved (cluster-wide, every replica's and
+    pool's): name, bundles, and Ray's reason (NO_RESOURCES: no node has room now, which is what
+    the autoscaler adds nodes for; INFEASIBLE: no node could ever hold a bundle). For /health."""
+    pending = []
+    for group in ray.util.placement_group_table().values():
+        if group["name"].startswith(GROUP_PREFIX) and group["state"] in ("PENDING", "RESCHEDULING"):
+            pending.append({"group": group["name"][len(GROUP_PREFIX):],
+                            "bundles": [_format(bundle) for _, bundle in sorted(group["bundles"].items())],
+                            "state": group["stats"]["scheduling_state"]})
+    return pending
 
 
 def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:

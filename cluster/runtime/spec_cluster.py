@@ -96,8 +96,8 @@ class SpecCluster:
         try:
             if spec.draft_pool is not None:  # first: a replica the pool refuses reserves nothing
                 fingerprint = pool_fingerprint(spec)
-                pool = pool_actor(spec, fingerprint)
-                self.pooled = [PooledDrafter(pool, fingerprint, spec.draft_pool.report_period_s)
+                connect = functools.partial(pool_actor, spec, fingerprint)
+                self.pooled = [PooledDrafter(connect, fingerprint, spec.draft_pool.report_period_s)
                                for _ in range(spec.num_target_groups)]
             self.placement = reserve(spec)
             draft_actor = ray.remote(DraftWorker)

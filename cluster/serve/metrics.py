@@ -74,7 +74,8 @@ class ServingMetrics:
         self.kv_usage = Gauge("specserve_kv_cache_usage", d["specserve_kv_cache_usage"])
         self._last = EngineCounters()
         self._lock = threading.Lock()
-        self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "queue_wait_s": 0.0, "tokens_per_step": 1.0}
+        self.latest: dict[str, float] = {"ongoing": 0.0, "queued": 0.0, "queue_wait_s": 0.0, "tokens_per_step": 1.0,
+                                          "draft_wait_fraction": 0.0}
 
     def chunk(self, tokens: int, seconds_since_last: float) -> None:
         if tokens:
@@ -127,6 +128,9 @@ class ServingMetrics:
         steps = now.steps - self._last.steps
         passes = now.request_passes - self._last.request_passes
         tokens_per_step = (now.tokens - self._last.tokens) / passes if passes else self.latest["tokens_per_step"]
+        verify_s = now.verify_seconds - self._last.verify_seconds
+        draft_wait_fraction = ((now.draft_wait_seconds - self._last.draft_wait_seconds) / verify_s if verify_s > 0
+                               else self.latest["draft_wait_fraction"])
         if steps:
             self.mean_accepted.set(tokens_per_step)
             self.verify_step.set((now.verify_seconds - self._last.verify_seconds) / steps)
@@ -141,7 +145,7 @@ class ServingMetrics:
         self._last = now
         self.latest = {"ongoing": float(ongoing), "queued": float(queued),
                        "queue_wait_s": max((_longest_wait(e) for e in engines), default=0.0),
-                       "tokens_per_step": float(tokens_per_step)}
+                       "tokens_per_step": float(tokens_per_step), "draft_wait_fraction": float(draft_wait_fraction)}
         return self.latest
 
 

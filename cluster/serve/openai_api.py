@@ -21,11 +21,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 
+import ray
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.engine.request import GenerationOutput
 from cluster.engine.spec_engine import StepEvent
+from cluster.runtime.placement import pending_placements
 from cluster.serve.models import ModelNotFound, ServedModels
 from cluster.serve.openai_schema import FINISH_REASONS, Call, ResponseShape, parse_call, speculation_stats, sse
 from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
@@ -52,7 +54,9 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         """200 while every engine loop of this replica runs, 503 otherwise (vLLM's /health, for load
-        balancers, readiness probes and benchmark tools). No API key, as in vLLM."""
+        balancers, readiness probes and benchmark tools). No API key, as in vLLM. On a Ray cluster,
+        placement groups of this project that wait for room (a replica or drafter being added)
+        are listed under `pending_placements`, with Ray's reason."""
         try:
             loops = [loop for service in get_models() for loop in service.loops]
         except Exception as error:  # not serving yet (no replica context) or shutting down
@@ -60,7 +64,8 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         dead = sum(not loop.alive for loop in loops)
         if dead:
             return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
-        return JSONResponse({"status": "ok"})
+        pending = await asyncio.to_thread(pending_placements) if ray.is_initialized() else []
+        return JSONResponse({"status": "ok", **({"pending_placements": pending} if pending else {})})
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -1,5 +1,6 @@
 """A draft pool shared by target groups of several replicas (SpecClusters standing for Serve
-replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, sizing."""
+replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, sizing live,
+a lost keeper, planning."""
 from __future__ import annotations
 
 import json
@@ -40,13 +41,18 @@ def pool_is_gone(name: str, timeout_s: float = 30) -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def long_expected(tiny_model_dir):
+    """Plain decoding of the longer requests `run_while` sends."""
+    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
+    return [o.token_ids for o in engine.generate(requests("d", NEW_TOKENS * 4))]
+
+
 def test_replicas_share_the_pool_spread_over_its_drafters_and_lose_nothing_when_one_dies(ray_four_gpus, tiny_model_dir,
-                                                                                        expected):
+                                                                                        expected, long_expected):
     """Two replicas (SpecClusters) name one pool of two drafters: 2 target shards + 2 drafters take the
     4 GPUs. One replica's requests spread over both drafters; one drafter is killed mid-generation
     while both replicas decode: every output equals plain decoding. The pool ends after them."""
-    engine = local_engine(load_model(tiny_model_dir), IdTokenizer(), None)
-    long_expected = [o.token_ids for o in engine.generate(requests("d", NEW_TOKENS * 4))]
     spec = pooled_spec(tiny_model_dir, "shared", min_drafters=2, max_drafters=2)
     replicas = [SpecCluster(spec).start() for _ in range(2)]
     try:
@@ -78,29 +84,78 @@ def test_replicas_share_the_pool_spread_over_its_drafters_and_lose_nothing_when_
     assert pool_is_gone("shared")
 
 
-def test_pooled_drafts_are_planned_like_a_replicas_own(ray_four_gpus, tiny_model_dir):
-    """With the planner on (no step_token_budget), a replica drafting from a pool plans its drafts
-    on its measured cost curve, as one with draft actors of its own does."""
-    spec = pooled_spec(tiny_model_dir, "planned")
+def pool_size(name: str) -> int:
+    return ray.get(ray.get_actor(f"draft-pool-{name}", namespace=NAMESPACE).size.remote())
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def test_the_pool_grows_under_load_shrinks_when_idle_and_is_created_again_when_lost(ray_four_gpus, tiny_model_dir,
+                                                                                   expected, long_expected):
+    """Live, on its own signal: draft calls that wait (any wait, with this threshold) grow the pool
+    from 1 to 2 drafters while a replica decodes; idle, it goes back to 1. Then its keeper is killed
+    for good (its drafters die with it) while the replica decodes: those requests decode plainly and
+    stay right, the replica creates the pool again, and drafting resumes on the new one. The
+    replica plans its pooled drafts on its cost curve (given here, a flat one), as with its own."""
+    spec = pooled_spec(tiny_model_dir, "elastic", min_drafters=1, max_drafters=2, scale_up_wait_fraction=1e-6,
+                       scale_down_after_s=1)
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"step_token_budget": None})})
-    curve = CostCurve([CostPoint(tokens, 1, 0.01) for tokens in TOKEN_POINTS])  # given, not measured (seconds)
+    curve = CostCurve([CostPoint(tokens, 1, 1.0) for tokens in TOKEN_POINTS])  # given: drafts always pay
     path = curves_folder() / f"{cost_key_of(spec.engine)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve.to_json()))
-    cluster = SpecCluster(spec).start()
+    replica = SpecCluster(spec).start()
     try:
-        assert cluster.loops[0].engine.planner is not None and cluster.loops[0].engine.costly_drafter
+        assert replica.loops[0].engine.planner is not None and replica.loops[0].engine.costly_drafter
+        assert pool_size("elastic") == 1
+        stop, outputs = threading.Event(), []
+
+        def decode_until_stopped():
+            while not stop.is_set():
+                outputs.extend(replica.generate(requests("g"), timeout_s=120))
+
+        load = threading.Thread(target=decode_until_stopped)
+        load.start()
+        try:
+            wait_for(lambda: pool_size("elastic") == 2, 60, "the pool did not grow under load")
+            wait_for(lambda: len(replica.pooled[0].members) == 2, 10, "the replica did not learn of the new drafter")
+        finally:
+            stop.set()
+            load.join(120)
+        assert [o.token_ids for o in outputs] == expected * (len(outputs) // len(expected))
+        wait_for(lambda: pool_size("elastic") == 1, 30, "the idle pool did not shrink")
+
+        keeper, incarnation = ray.get_actor("draft-pool-elastic", namespace=NAMESPACE), replica.pooled[0].version
+        lost = run_while(replica, lambda: ray.kill(keeper, no_restart=True), "k")
+        assert [o.token_ids for o in lost] == long_expected
+        new_pool = lambda: replica.pooled[0].version.split(".")[0] != incarnation.split(".")[0]  # noqa: E731
+        wait_for(lambda: new_pool() and replica.pooled[0].members, 60, "the replica did not create the pool again")
+        ray.get([member.ping.remote() for member in replica.pooled[0].members.values()], timeout=60)  # drafters up
+        again = replica.generate(requests("n"), timeout_s=120)
+        assert [o.token_ids for o in again] == expected
+        assert sum(o.stats.accepted for o in again) > 0
     finally:
-        cluster.shutdown()
+        replica.shutdown()
+    assert pool_is_gone("elastic")
 
 
 def test_the_pool_grows_when_calls_wait_and_shrinks_after_waits_stay_low():
     spec = DraftPoolSpec(name="p", min_drafters=1, max_drafters=3, scale_up_wait_fraction=0.2,
                          scale_down_wait_fraction=0.02, scale_down_after_s=60)
     window = Window()
-    assert window.wait_fraction() is None and decide_size(2, None, spec, None, 0.0) == (2, None)
+    assert window.wait_fraction() is None and decide_size(2, None, spec, None, 0.0) == (2, None)  # nobody reported
+    window.add(calls=0, wait_s=0.0, passes=0, pass_s=0.0)
+    assert window.wait_fraction() == 0.0  # clients reported, idle: no wait, so an idle pool shrinks
     window.add(calls=10, wait_s=0.5, passes=20, pass_s=2.0)  # 50 ms waits against 100 ms passes
     assert window.wait_fraction() == pytest.approx(0.5)
+    unpaired = Window()
+    unpaired.add(calls=3, wait_s=0.1, passes=0, pass_s=0.0)
+    assert unpaired.wait_fraction() is None  # waits without passes to compare them with
     assert decide_size(1, 0.5, spec, None, 0.0) == (2, None)
     assert decide_size(3, 0.5, spec, None, 0.0) == (3, None)  # at max_drafters
     assert decide_size(2, 0.1, spec, 5.0, 10.0) == (2, None)  # between the thresholds: no change, timer reset

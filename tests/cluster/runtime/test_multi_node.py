@@ -1,7 +1,7 @@
 """Several Ray nodes in one machine (`ray.cluster_utils.Cluster`), each with its own fake GPUs and a
-role label as a KubeRay worker group would give it: placement by label, Serve replicas whose TP=2
-target groups are packed on nodes of their own with their drafters on another, a node the
-autoscaler adds while a placement waits, node loss.
+role label as a KubeRay worker group would give it: placement by label, Serve scaling up to a
+second replica whose TP=2 target group is packed on a node of its own, both drafting from one pool
+on another node, a node the autoscaler adds while a placement waits, node loss.
 
 The tests share one cluster and run in file order: the last ones add and remove nodes."""
 from __future__ import annotations
@@ -10,16 +10,18 @@ import logging
 import threading
 import time
 
+import grpc
 import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
 from cluster.engine.config import EngineConfig
-from cluster.runtime.placement import ClusterSpec, PlacementError, reserve
+from cluster.runtime.placement import ClusterSpec, PlacementError, pending_placements, reserve
 from cluster.runtime.spec_cluster import SpecCluster
-from cluster.serve.app import AppArgs, SpecServer
+from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
 from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc
 from tests.cluster.ray_fixtures import free_port
 from tests.cluster.runtime.cluster_requests import NEW_TOKENS, PROMPTS, UNPLANNED, expected, requests, run_while  # noqa: F401  (fixture)
 
@@ -104,34 +106,72 @@ def test_labels_no_node_carries_fail_at_once_naming_role_and_labels(nodes):
         reserve(labelled_spec(tensor_parallel_size=4, num_draft_actors=0, engine=EngineConfig(method="none")))
 
 
-def test_serve_places_each_replica_on_a_target_node_of_its_own(nodes, tiny_model_dir, expected):
-    """Two replicas of the app: each reserves a TP=2 target group, which takes a whole target node (the
-    second one the node the first left free), and a drafter on the draft node; both answer as plain
-    decoding does, with drafts from the other node accepted.
-    (Scaling by the speculation-aware policy is tested in tests/cluster/serve/test_live_scaling.py.)"""
+def running_replicas(app: str) -> int:
+    return serve.status().applications[app].deployments["SpecServer"].replica_states.get("RUNNING", 0)
+
+
+def test_serve_scales_onto_the_free_target_node_and_its_replicas_draft_from_one_pool(nodes, tiny_model_dir, expected):
+    """One replica to start; under load the speculation-aware policy asks Serve for a second, whose
+    TP=2 target group takes the target node the first left free. Both draft from one draft pool
+    whose drafter is on the draft node, and answer as plain decoding does, drafts accepted.
+    (One node's policy and streams are tested in tests/cluster/serve/test_live_scaling.py.)"""
     _, targets, draft = nodes
     args = AppArgs.model_validate({
         "cluster": {"engine": tiny_engine(tiny_model_dir), "tensor_parallel_size": 2, "target_node_labels": TARGET,
-                    "draft_node_labels": DRAFT},
+                    "draft_node_labels": DRAFT,
+                    "draft_pool": {"name": "nodes", "report_period_s": 0.5, "idle_shutdown_s": 2}},
         "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64},
     })
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, proxy_location="HeadOnly")
+    autoscaling = {
+        "min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 3600,
+        "look_back_period_s": 1, "metrics_interval_s": 0.5,
+        "policy": {"policy_function": "cluster.serve.autoscaling:SpeculationAwarePolicy",
+                   "policy_kwargs": {"target_ongoing_requests": 1}},
+    }
+    grpc_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, proxy_location="HeadOnly",
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+    # through the proxy, as a client: a handle in this process would push autoscaling metrics from a
+    # thread of its own that outlives Serve and this cluster
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = specserve_pb2_grpc.SpecServeStub(channel)
     try:
-        deployment = SpecServer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.1})
-        handle = serve.run(deployment.bind(args), name="nodes", route_prefix="/")
+        deployment = SpecServer.options(autoscaling_config=autoscaling, ray_actor_options={"num_cpus": 0.1})
+        serve.run(deployment.bind(args), name="nodes", route_prefix="/")
+        assert running_replicas("nodes") == 1
+        requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.Sampling(max_new_tokens=NEW_TOKENS))
+                    for prompt in PROMPTS]
+        stop, answered = threading.Event(), []
+
+        def client(k: int) -> None:  # 8 in flight: more than 4 per replica even at the policy's top credit
+            while not stop.is_set():
+                reply = stub.Generate(requests[k % len(PROMPTS)], timeout=120)
+                answered.append((k % len(PROMPTS), list(reply.token_ids), reply.stats.accepted))
+
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for thread in clients:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 180
+            while running_replicas("nodes") < 2:
+                assert time.monotonic() < deadline, "Serve did not add the second replica"
+                time.sleep(1)
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(120)
         groups = [group for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"]
-        target_nodes = [set(g["bundles_to_node_id"].values()) for g in groups if g["strategy"] == "STRICT_PACK"]
-        draft_nodes = [set(g["bundles_to_node_id"].values()) for g in groups if g["strategy"] == "SPREAD"]
+        target_nodes = [set(g["bundles_to_node_id"].values()) for g in groups if "target group" in g["name"]]
+        pool_nodes = [set(g["bundles_to_node_id"].values()) for g in groups if "draft pool nodes" in g["name"]]
         assert all(len(ids) == 1 for ids in target_nodes)  # each group packed on one node
         assert sorted(ids.pop() for ids in target_nodes) == sorted(node.node_id for node in targets)
-        assert draft_nodes == [{draft.node_id}] * 2
-        answers = [handle.Generate.remote(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                                             sampling=pb.Sampling(max_new_tokens=NEW_TOKENS)))
-                   for _ in range(2) for prompt in PROMPTS]
-        replies = [answer.result() for answer in answers]
+        assert pool_nodes == [{draft.node_id}]  # one drafter for both replicas, on the draft node
+        assert answered and all(ids == expected[index] for index, ids, _ in answered)
+        replies = [stub.Generate(request, timeout=120) for _ in range(2) for request in requests]  # both replicas
         assert [list(reply.token_ids) for reply in replies] == expected * 2
         assert sum(reply.stats.accepted for reply in replies) > 0  # drafted on the other node, and accepted
     finally:
+        channel.close()
         serve.shutdown()
 
 
@@ -151,6 +191,9 @@ def test_on_an_autoscaling_cluster_a_placement_waits_for_the_node_it_needs(nodes
     assert "waiting up to 120 s for the autoscaler" in caplog.text
     assert "draft actors need 1 GPUs (1 draft actors) on nodes labelled specserve.io/role=new-draft" in caplog.text
     assert "draft group" in caplog.text.split("placement groups pending")[1]
+    [pending] = pending_placements()  # what /health lists
+    assert " draft actors (" in pending["group"] and pending["bundles"] == ["1 GPU"], pending
+    assert pending["state"] in ("NO_RESOURCES", "INFEASIBLE"), pending
     added = cluster.add_node(num_cpus=1, num_gpus=1, labels={ROLE: "new-draft"})
     try:
         waiter.join(60)

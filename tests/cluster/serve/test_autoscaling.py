@@ -22,6 +22,27 @@ def test_credit_for_speculation_is_capped_and_never_below_plain():
     assert desired_replicas(load, {}, {"a": 0.2}, 1, 8) == 8
 
 
+def test_waiting_for_drafts_lowers_the_credit_for_speculation():
+    """A replica gaining 3 tokens a pass whose passes wait for drafts half as long again as they
+    verify (a draft pool at its max_drafters) serves each request 2x, not 3x, as fast as plain."""
+    load, tokens = {"a": 48.0}, {"a": 3.0}
+    assert desired_replicas(load, {}, tokens, 1, target_ongoing=8) == 2
+    assert desired_replicas(load, {}, tokens, 1, target_ongoing=8, draft_wait_fraction={"a": 0.5}) == 3
+    assert desired_replicas(load, {}, tokens, 1, target_ongoing=8, draft_wait_fraction={"a": 9.0}) == 6  # never below plain
+
+
+def test_a_replica_reports_how_long_its_passes_wait_for_drafts(monkeypatch):
+    from cluster.engine.stats import EngineCounters
+
+    counters = EngineCounters(steps=10, tokens=30, request_passes=10, verify_seconds=2.0, draft_wait_seconds=0.5)
+    engine = SimpleNamespace(counters=counters, queue_depth=0, waiting=[], kv_cache_usage=None)
+    metrics, loop = ServingMetrics(), SimpleNamespace(engine=engine, load=1)
+    assert metrics.sample([loop])["draft_wait_fraction"] == 0.25
+    counters.steps, counters.verify_seconds, counters.draft_wait_seconds = 20, 3.0, 1.5
+    assert metrics.sample([loop])["draft_wait_fraction"] == 1.0  # this period's: 1 s of waits over 1 s of passes
+    assert metrics.sample([loop])["draft_wait_fraction"] == 1.0  # no pass since: the last figure stands
+
+
 def test_a_long_wait_for_a_kv_slot_adds_a_replica_and_idle_goes_to_zero():
     assert desired_replicas({"a": 4.0}, {"a": 31.0}, {"a": 3.0}, current=1, target_ongoing=8, max_queue_wait_s=30) == 2
     assert desired_replicas({}, {}, {}, current=3, target_ongoing=8) == 0
@@ -41,6 +62,8 @@ def test_policy_respects_bounds_and_reads_serve_metrics():
         policy_state={},
     )
     assert policy(ctx) == (5, {})
+    ctx.aggregated_metrics = {"ongoing": {"r1": 12.0}, "tokens_per_step": {"r1": 3.0}, "draft_wait_fraction": {"r1": 0.5}}
+    assert policy(ctx) == (2, {})  # 12 / (4 x 3 / 1.5) = 1.5: without the wait it would be 1
     ctx.aggregated_metrics = {}
     assert policy(ctx) == (1, {})
 

@@ -85,6 +85,17 @@ def test_health_is_unavailable_while_an_engine_loop_is_dead(served, monkeypatch)
     assert get(served, "/health") == (200, {"status": "ok"})
 
 
+def test_health_lists_the_placements_waiting_for_room(served, monkeypatch):
+    """On a Ray cluster, a replica or drafter being added whose placement group waits shows in every
+    serving replica's /health (the placement module reads Ray's table; here it is given)."""
+    import cluster.serve.openai_api as openai_api
+
+    waiting = [{"group": "smollm2 target group 0 (5c0f3e)", "bundles": ["1 GPU", "1 GPU"], "state": "NO_RESOURCES"}]
+    monkeypatch.setattr(openai_api.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(openai_api, "pending_placements", lambda: waiting)
+    assert get(served, "/health") == (200, {"status": "ok", "pending_placements": waiting})
+
+
 def test_health_is_unavailable_before_the_replica_serves():
     def not_yet():
         raise RuntimeError("no replica context")

@@ -11,6 +11,8 @@ import pytest
 import ray
 from ray import serve
 
+from cluster.engine.build import cost_key_of
+from cluster.engine.config import EngineConfig
 from cluster.engine.cost import CostCurve, CostPoint, TOKEN_POINTS
 from cluster.serve.app import build_app
 from tests.cluster.ray_fixtures import free_port
@@ -40,15 +42,22 @@ def http_port(tmp_path_factory, tiny_model_dir):
             ray.shutdown()
 
 
-def serve_with(tiny_model_dir, folder, cost: CostCurve | None) -> None:
-    """(Re)deploy the app; with `cost`, every curve the replica measured is replaced by it first."""
-    for path in folder.glob("*.json"):
-        path.write_text(json.dumps(cost.to_json()))
-    serve.delete("specserve")
-    args = {"cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", "max_sequences": 4, "max_len": 128},
+ENGINE = {"max_sequences": 4, "max_len": 128}
+
+
+def serve_with(tiny_model_dir, folder, cost: CostCurve) -> None:
+    """(Re)deploy the app, its target's cost curve given as `cost` instead of measured. The curve's
+    cache key is computed where a replica computes it (a Ray worker of one CPU: its threads are part
+    of the key), and the replica is asked which curve it plans on."""
+    serve.delete("specserve")  # first: its replica holds the CPU the key's worker needs
+    engine = EngineConfig(model=str(tiny_model_dir), method="pld", **ENGINE)
+    key = ray.get(ray.remote(num_cpus=1)(cost_key_of).remote(engine))
+    (folder / f"{key}.json").write_text(json.dumps(cost.to_json()))
+    args = {"cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", **ENGINE},
                         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0},
             "limits": {"max_prompt_tokens": 64, "max_new_tokens": 32}}
-    serve.run(build_app(args), name="specserve", route_prefix="/")
+    handle = serve.run(build_app(args), name="specserve", route_prefix="/")
+    assert handle.cost_curves.remote().result() == [cost.to_json()]
 
 
 def complete(port: int, prompt: list[int], speculation: dict | None = None) -> dict:
@@ -66,8 +75,6 @@ def drafted_and_texts(port: int, speculation: dict | None = None) -> tuple[int, 
 
 def test_the_planner_sizes_served_drafts_by_the_cost_curve(http_port, tiny_model_dir):
     port, folder = http_port
-    serve_with(tiny_model_dir, folder, None)  # measures the tiny target's curve once, into the folder
-    assert list(folder.glob("*.json")), "the replica cached no cost curve"
     chosen = {"lookahead": "fixed", "num_speculative_tokens": 4}
 
     serve_with(tiny_model_dir, folder, curve(STEP_S))  # a drafted token costs a whole step: none pays
