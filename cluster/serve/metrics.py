@@ -129,12 +129,12 @@ class ServingMetrics:
         passes = now.request_passes - self._last.request_passes
         tokens_per_step = (now.tokens - self._last.tokens) / passes if passes else self.latest["tokens_per_step"]
         verify_s = now.verify_seconds - self._last.verify_seconds
-        draft_wait_fraction = ((now.draft_wait_seconds - self._last.draft_wait_seconds) / verify_s if verify_s > 0
-                               else self.latest["draft_wait_fraction"])
+        draft_wait_s = now.draft_wait_seconds - self._last.draft_wait_seconds
+        draft_wait_fraction = draft_wait_s / verify_s if verify_s > 0 else self.latest["draft_wait_fraction"]
         if steps:
             self.mean_accepted.set(tokens_per_step)
-            self.verify_step.set((now.verify_seconds - self._last.verify_seconds) / steps)
-            self.draft_step.set((now.draft_wait_seconds - self._last.draft_wait_seconds) / steps)
+            self.verify_step.set(verify_s / steps)
+            self.draft_step.set(draft_wait_s / steps)
         queued = sum(e.queue_depth for e in engines)
         ongoing = sum(loop.load for loop in loops)
         self.queue_depth.set(queued)
