@@ -109,7 +109,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import (busy_neighbour, cluster_bench, cost_curve, draft_pool_bench, fuzz, grammar_engines, kv_bench,
-                       path_cost, ray_overhead, serve_bench, soak, specbench)
+                       path_cost, ray_overhead, serve_bench, side_by_side, soak, specbench)
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train
@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "speculation off, 1 to 32 requests in flight", formatter_class=defaults)
     serve_bench.add_arguments(served)
     served.set_defaults(func=serve_bench.run)
+    peers = bench_sub.add_parser("side-by-side", help="vLLM's CPU build (defaults, tuned, n-gram) and `make serve` "
+                                 "(speculation on, off), one server at a time, the same prompts and client",
+                                 formatter_class=defaults)
+    side_by_side.add_arguments(peers)
+    peers.set_defaults(func=side_by_side.run)
     pooled = bench_sub.add_parser("draft-pool", help="N target groups drafting from one shared drafter against one "
                                   "drafter each (fake GPUs)", formatter_class=defaults)
     draft_pool_bench.add_arguments(pooled)
