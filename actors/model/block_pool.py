@@ -1,6 +1,6 @@
 """Which KV blocks are free, who holds each, and which hold a known prefix (automatic prefix caching).
 
-Pure bookkeeping, no tensors: `KVCache` stores the blocks, `ModelRunner` keeps each sequence's
+Pure bookkeeping, no tensors: `KVCache` stores the blocks, `KVCacheManager` keeps each sequence's
 block table. Three rules shape it:
 - Contiguity. A sequence grows into the block right after its last one when that is free, and a
   sequence starting (or a grown one whose neighbour is taken) starts its blocks centred in the

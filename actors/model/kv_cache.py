@@ -1,6 +1,6 @@
 """Paged K/V storage: every layer's keys and values in one pool of fixed-size blocks.
 
-A sequence's positions live in the blocks its table lists (ModelRunner keeps the tables, BlockPool
+A sequence's positions live in the blocks its table lists (KVCacheManager keeps the tables, BlockPool
 hands out the blocks), so memory follows what sequences use instead of a slot of `max_len` each,
 and a full block can be shared by every sequence with the same prefix. Positions are absolute
 within a sequence, so rolling back costs nothing (its owner forgets positions) and a tree of new

@@ -63,10 +63,10 @@ def test_fragmented_sequences_attend_like_the_model_alone(tiny_model):
     del tokens["d"]
     for seq_id in tokens:
         grow(seq_id, 3)
-    assert len(runner.cache.runs(runner._sequences["a"].blocks, 11)) == 2  # its next block was taken
+    assert len(runner.cache.runs(runner.kv_manager.block_table("a"), 11)) == 2  # its next block was taken
     tree = DraftTree([2, 8, 9, 4], [-1, 0, 0, 1])
     logits = runner.forward([TreeInput("a", tree.token_ids, tree.parents)])[0]
-    assert len(runner.cache.runs(runner._sequences["a"].blocks, 15)) == 2
+    assert len(runner.cache.runs(runner.kv_manager.block_table("a"), 15)) == 2
     for path in tree.paths:
         expected = logits_alone(model, tokens["a"] + [tree.token_ids[n] for n in path])[len(tokens["a"]):]
         torch.testing.assert_close(logits[path], expected, rtol=1e-9, atol=1e-9)
@@ -85,14 +85,14 @@ def test_a_cached_prefix_is_reused_in_its_scope_only_and_copied_before_a_rewrite
     runner.add("b", "tenant-1")
     runner.add("c", "tenant-2")
     assert runner.reuse_prefix("b", prompt + [1]) == 8 and runner.reuse_prefix("c", prompt) == 0
-    assert runner._sequences["b"].blocks == runner._sequences["a"].blocks[:2]
+    assert runner.kv_manager.block_table("b") == runner.kv_manager.block_table("a")[:2]
     prefill(runner, "b", prompt[8:] + [1])
     runner.remove("a")  # its full blocks stay cached
     runner.add("d", "tenant-1")
     assert runner.reuse_prefix("d", prompt) == 8
     prefill(runner, "d", prompt[8:])
     runner.truncate("d", 6)  # back into a shared block: d gets its own copy, b keeps its K/V
-    assert runner._sequences["d"].blocks[1] != runner._sequences["b"].blocks[1]
+    assert runner.kv_manager.block_table("d")[1] != runner.kv_manager.block_table("b")[1]
     prefill(runner, "d", [11, 12])
     tree = DraftTree([2, 8], [-1, 0])
     got = runner.forward([TreeInput(s, tree.token_ids, tree.parents) for s in "bd"])
@@ -145,7 +145,7 @@ def test_a_prompt_admitted_beside_one_with_its_prefix_takes_the_blocks_the_other
     assert (first.start, first.tokens, first.cached) == (0, 34, 0)
     [second] = worker.verify([], [("b", 20)])  # a filled 4 whole blocks of the shared prefix meanwhile
     assert (second.start, second.tokens, second.cached) == (32, 2, 32)
-    assert worker.runner._sequences["b"].blocks[:4] == worker.runner._sequences["a"].blocks[:4]
+    assert worker.runner.kv_manager.block_table("b")[:4] == worker.runner.kv_manager.block_table("a")[:4]
     assert worker.runner.committed_length("b") == 34 and "b" not in worker._prompts
     tree = DraftTree([51, 3, 4], [-1, 0, 1])
     got = worker.runner.forward([TreeInput("b", tree.token_ids, tree.parents)])[0]
