@@ -13,7 +13,7 @@ from cluster.engine.stats import RequestStats
 from cluster.engine.text import OutputText
 from speculators.logprobs import TokenLogprob
 
-if TYPE_CHECKING:  # the controller that makes it reads requests
+if TYPE_CHECKING:  # speculation.py, which makes it, imports this module
     from cluster.engine.speculation import RequestSpeculation
 
 
