@@ -1,71 +1,27 @@
-"""One request being decoded: its tokens, lookahead, acceptance gate, stats and text, and the rules
-that end it (EOS, max_new_tokens, the context window, a stop string)."""
+"""One request being decoded: its tokens, speculation state, stats and text, and the rules that end it
+(EOS, max_new_tokens, the context window, a stop string)."""
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.engine.constraints import RequestRules
-from cluster.engine.planner import RequestAcceptance
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.stats import RequestStats
 from cluster.engine.text import OutputText
 from speculators.logprobs import TokenLogprob
-from speculators.lookahead import LookaheadPolicy
 
-
-MAX_COOLOFF_DOUBLINGS = 4
-"""A gate that keeps closing waits at most 2**4 = 16 times its base cooloff between retries."""
-
-
-@dataclass
-class SpeculationGate:
-    """Switches speculation off for a request whose drafts keep being rejected, then retries.
-
-    Tracks an exponential average of the fraction of drafted depth the target accepted; once closed
-    it stays closed for `cooloff_steps` steps. Every retry pays `warmup_steps` drafted steps, so a
-    retry that fails again doubles the wait (up to MAX_COOLOFF_DOUBLINGS times): a drafter that
-    never fits a request costs it a few steps, not one in three. A retry that stays open for
-    `cooloff_steps` drafted steps resets the wait.
-    """
-
-    min_acceptance: float
-    warmup_steps: int
-    cooloff_steps: int
-    average: float = 1.0
-    drafted_steps: int = 0
-    off_for: int = 0
-    failed_retries: int = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self.off_for == 0
-
-    def observe(self, drafted_depth: int, accepted: int) -> None:
-        """Called once per step of the request."""
-        if self.off_for > 0:
-            self.off_for -= 1
-            return
-        if drafted_depth == 0:
-            return
-        self.drafted_steps += 1
-        self.average = 0.7 * self.average + 0.3 * (accepted / drafted_depth)
-        if self.drafted_steps < self.warmup_steps:
-            return
-        if self.average < self.min_acceptance:
-            self.off_for = self.cooloff_steps * 2 ** min(self.failed_retries, MAX_COOLOFF_DOUBLINGS)
-            self.failed_retries += 1
-            self.average, self.drafted_steps = 1.0, 0
-        elif self.drafted_steps >= self.cooloff_steps:  # open long enough: the retry held
-            self.failed_retries = 0
+if TYPE_CHECKING:  # speculation.py, which makes it, imports this module
+    from cluster.engine.speculation import RequestSpeculation
 
 
 @dataclass
 class ActiveRequest:
     request: GenerationRequest
-    policy: LookaheadPolicy
-    gate: SpeculationGate
+    speculation: RequestSpeculation
+    """Its lookahead, acceptance gate and acceptance factor (cluster/engine/speculation.py)."""
     group: int
     """The micro-batch it is verified in (always 0 without pipelining)."""
     text: OutputText
@@ -73,7 +29,6 @@ class ActiveRequest:
     """Everything committed: prompt and output."""
     output: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
     finish_detail: str | None = None

@@ -11,8 +11,9 @@ code drives in-process workers and Ray actors. A drafter that fails, hangs or re
 costs one plain step; a request whose verification raises fails alone; a target that fails or hangs
 ends the requests it held with a retryable error and is rebuilt.
 
-Other jobs live beside this module: what a request drafts (drafting.py), how one request's output
-grows and ends (sequence.py, text.py) and what is counted (stats.py).
+Other jobs live beside this module: how much each request drafts and what of it is verified
+(speculation.py), how one request's output grows and ends (sequence.py, text.py) and what is counted
+(stats.py).
 """
 from __future__ import annotations
 
@@ -29,18 +30,16 @@ from actors.worker import Worker
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
-from cluster.engine.drafting import SentTokens, draft_requests
-from cluster.engine.learned_cost import DrafterCost
-from cluster.engine.planner import Planned, Planner, path_probabilities
+from cluster.engine.drafting import SentTokens
 from cluster.engine.request import GenerationOutput, GenerationRequest
-from cluster.engine.sequence import ActiveRequest, SpeculationGate
+from cluster.engine.sequence import ActiveRequest
+from cluster.engine.speculation import SpeculationController
 from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
 from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
 from cluster.engine.tree_check import tree_problem
 from speculators.hidden import PendingHidden
 from speculators.logprobs import TokenLogprob
-from speculators.lookahead import make_policy
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
 
@@ -90,9 +89,7 @@ class SpecEngine:
         every request drafts what its lookahead allows. A `costly_drafter` (a draft model, which pays
         a forward pass per drafted depth) is also told how deep to draft before it runs."""
         self.target, self.tokenizer, self.config = target, tokenizer, config
-        self.planner = None if cost is None else Planner(cost)
-        self.costly_drafter = costly_drafter
-        self.drafter_cost = DrafterCost()
+        self.speculation = SpeculationController(config, cost, costly_drafter)
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self._sent = [SentTokens() for _ in self.drafters]
@@ -200,9 +197,8 @@ class SpecEngine:
         else:
             self._pending_starts.append((start, [request_id for request_id, *_ in offered]))
         for request in admitted:
-            gate = SpeculationGate(self.config.min_acceptance, self.config.gate_warmup_steps, self.config.gate_cooloff_steps)
-            state = ActiveRequest(request, make_policy(request.lookahead or self.config.lookahead), gate, 0,
-                                  OutputText(self.tokenizer, request.stop), list(request.prompt_ids), started=now)
+            state = ActiveRequest(request=request, speculation=self.speculation.for_request(request), group=0,
+                                  text=OutputText(self.tokenizer, request.stop), tokens=list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             state.rules = RequestRules.of(request)
             resumed.append(state)
@@ -233,11 +229,7 @@ class SpecEngine:
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
             return None
-        depth_cap = None
-        if self.planner is not None and self.costly_drafter:
-            cap = max((s.policy.depth() for s in states), default=0)
-            depth_cap = self.planner.depth(len(states), cap, self.drafter_cost)
-        requests = draft_requests(states, self.config, depth_cap)
+        requests = self.speculation.drafts(states)
         if not requests:
             return None
         count = len(self.drafters)
@@ -277,9 +269,7 @@ class SpecEngine:
             if request_id in self.active:
                 self.active[request_id].stats.draft_seconds += share
         usable = {request_id: tree for request_id, tree in zip(pending.request_ids, trees) if self._usable(request_id, tree)}
-        if self.costly_drafter:
-            depth = max((tree.max_depth for tree in usable.values()), default=0)
-            self.drafter_cost.observe(pending.rows, depth, done - pending.submitted)
+        self.speculation.observe_drafter(pending.rows, usable.values(), done - pending.submitted)
         return usable
 
     def _usable(self, request_id: str, tree: object) -> bool:
@@ -302,17 +292,6 @@ class SpecEngine:
         tree, pruned = state.rules.prune(tree)
         state.stats.grammar_pruned += pruned
         return tree
-
-    def _plan(self, states: list[ActiveRequest], trees: list[DraftTree], chunks: list[tuple[str, int]]) -> list[DraftTree]:
-        """Trees cut to what pays this step (all of them verified as drafted without a planner). A
-        request's own lookahead only bounded what was drafted; the planner still keeps what pays,
-        counting the prompt chunks that share the pass."""
-        if self.planner is None or not trees:
-            return trees
-        return self.planner.trim([
-            Planned(tree, trimmable=tree.draft_probs is None, factor=state.acceptance.factor)
-            for state, tree in zip(states, trees)
-        ], sum(count for _, count in chunks), len(chunks))
 
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
@@ -366,7 +345,7 @@ class SpecEngine:
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
-        trees = self._plan(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
+        trees = self.speculation.trim(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
         began = time.perf_counter()
         items = [_verify_item(s, t) for s, t in zip(states, trees)]
         verify = self.target.submit("verify", items, *((chunks,) if chunks else ()))
@@ -447,14 +426,8 @@ class SpecEngine:
             self._preempted(state)
             return None
         self.counters.request_passes += 1
-        accepted = len(result.accepted_tokens)
-        state.stats.record(tree.depths[1:], accepted)
-        state.policy.observe(tree.max_depth, accepted)
-        state.gate.observe(tree.max_depth, accepted)
-        if self.planner is not None and tree.num_drafted:
-            acceptance = self.planner.acceptance
-            state.acceptance.observe(sum(path_probabilities(tree, acceptance)[1:]), accepted)
-            acceptance.observe(tree, result.accepted_nodes)
+        state.stats.record(tree.depths[1:], len(result.accepted_tokens))
+        self.speculation.observe(state, tree, result)
         if result.hidden is not None:
             self._hidden.add(state.request_id, len(state.tokens) - 1, result.hidden)
         new, text = state.append(result.new_tokens, self.eos_token_ids, self.config.max_len, result.logprobs)

@@ -208,7 +208,8 @@ class SpecServer:
     def cost_curves(self) -> list[list[dict] | None]:
         """Each target group's measured verification cost curve (None: the planner is off), for
         operators: `serve.get_deployment_handle("SpecServer", app).cost_curves.remote()`."""
-        return [None if loop.engine.planner is None else loop.engine.planner.cost.to_json() for loop in self.loops]
+        planners = [loop.engine.speculation.planner for loop in self.loops]
+        return [None if planner is None else planner.cost.to_json() for planner in planners]
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loops died."""

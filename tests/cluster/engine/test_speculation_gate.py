@@ -2,7 +2,7 @@
 less often while they keep failing."""
 from __future__ import annotations
 
-from cluster.engine.sequence import MAX_COOLOFF_DOUBLINGS, SpeculationGate
+from cluster.engine.speculation import MAX_COOLOFF_DOUBLINGS, SpeculationGate
 
 
 def closed_steps_between_retries(gate: SpeculationGate, accepted: int, steps: int) -> list[int]:

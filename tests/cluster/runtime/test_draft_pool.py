@@ -111,7 +111,7 @@ def test_the_pool_grows_under_load_shrinks_when_idle_and_is_created_again_when_l
     path.write_text(json.dumps(curve.to_json()))
     replica = SpecCluster(spec).start()
     try:
-        assert replica.loops[0].engine.planner is not None and replica.loops[0].engine.costly_drafter
+        assert replica.loops[0].engine.speculation.planner is not None and replica.loops[0].engine.speculation.costly_drafter
         assert pool_size("elastic") == 1
         stop, outputs = threading.Event(), []
 
