@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.model.loader import load_tokenizer
-    from cluster.runtime.placement import ClusterSpec
+    from cluster.runtime.cluster_spec import ClusterSpec
     from cluster.runtime.spec_cluster import SpecCluster
 
     levels = [int(level) for level in args.concurrency]

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.model.loader import load_tokenizer
+    from cluster.runtime.cluster_spec import ClusterSpec
     from cluster.runtime.draft_pool_spec import DraftPoolSpec
-    from cluster.runtime.placement import ClusterSpec
 
     if not ray.is_initialized():
         ray.init(address="local", num_gpus=args.fake_gpus, include_dashboard=False)

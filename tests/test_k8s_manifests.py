@@ -35,7 +35,8 @@ from ray.autoscaler._private.kuberay.autoscaling_config import (
     _derive_autoscaling_config_from_ray_cr,
 )
 
-from cluster.runtime.placement import ClusterSpec, PlacementError, check_capacity
+from cluster.runtime.cluster_spec import ClusterSpec
+from cluster.runtime.placement import PlacementError, check_capacity
 from cluster.serve.service import ServiceLimits
 
 REPO = Path(__file__).resolve().parents[1]

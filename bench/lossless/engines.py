@@ -158,7 +158,7 @@ def in_process(case: Case, models: TinyModels) -> Iterator[tuple[Generate, Reque
 @contextmanager
 def on_ray(case: Case, models: TinyModels) -> Iterator[tuple[Generate, RequestBuilder]]:
     """A SpecCluster: float32 target shards and draft actors on (fake) GPUs. Ray must be running."""
-    from cluster.runtime.placement import ClusterSpec
+    from cluster.runtime.cluster_spec import ClusterSpec
     from cluster.runtime.spec_cluster import SpecCluster
 
     config = engine_config(case, models)

@@ -7,13 +7,11 @@ loop thread, and every engine uses all draft actors, starting from a different o
 two micro-batches of a pipelined engine are drafted on different actors. With `colocate_drafter`
 there are no draft actors: each target shard runs its own drafter in its process. With
 `draft_pool`, neither: each target group drafts through a PooledDrafter on the drafters of a pool
-shared with other replicas (cluster/runtime/draft_pool.py).
+shared with other replicas (cluster/runtime/draft_pool.py, cluster/runtime/pooled_drafter.py).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -23,7 +21,6 @@ import torch
 
 from actors.draft_worker import DraftWorker
 from actors.model.loader import load_config, load_tokenizer, resolve_model
-from actors.model.threads import use_cores
 from actors.target_group import TargetGroup
 from actors.worker import RayActorWorker
 from cluster.engine.build import build_proposer, cost_key_of
@@ -31,8 +28,11 @@ from cluster.engine.cost import measure as measure_cost
 from cluster.engine.loop import EngineLoop, least_loaded
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
-from cluster.runtime.draft_pool import PooledDrafter, pool_actor
-from cluster.runtime.placement import ClusterSpec, Placement, reserve
+from cluster.runtime.cluster_spec import ClusterSpec
+from cluster.runtime.draft_actors import draft_actor_builder
+from cluster.runtime.draft_pool import pool_actor, pool_fingerprint
+from cluster.runtime.placement import Placement, reserve
+from cluster.runtime.pooled_drafter import PooledDrafter
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +40,6 @@ log = logging.getLogger(__name__)
 def _build_with_target(config, target):
     """The drafter of a co-located target shard, sharing the shard's decoder (module level: pickled)."""
     return build_proposer(config, target)
-
-
-def _build_in_draft_actor(config):
-    """A draft actor's drafter, with torch on the actor's cores (module level: pickled)."""
-    use_cores(config.cpu_threads)
-    return build_proposer(config)
-
-
-def draft_actor_builder(spec: ClusterSpec, groups: int) -> Callable:
-    """What a draft actor runs to build its drafter: the engine's, with room for the requests of
-    `groups` target groups (a draft actor drafts for every group it serves)."""
-    config = spec.engine
-    dtype = getattr(torch, config.dtype)
-    shared = config.model_copy(update={"max_sequences": config.max_sequences * groups,
-                                       "kv_cache_bytes": config.kv_budget(load_config(resolve_model(config.model)), dtype)
-                                       * groups})
-    return functools.partial(_build_in_draft_actor, shared)
-
-
-def pool_fingerprint(spec: ClusterSpec) -> str:
-    """What replicas sharing a draft pool must agree on: the engine (target, drafter and their
-    settings) and the drafters' resources and labels."""
-    engine = spec.engine
-    digest = hashlib.sha1(json.dumps([engine.model_dump(mode="json"), spec.gpus_per_draft_actor, spec.cpus_per_actor,
-                                      spec.draft_node_labels, spec.draft_pool.model_dump()], sort_keys=True).encode())
-    return f"model {engine.model}, method {engine.method} (settings {digest.hexdigest()[:10]})"
 
 
 class ColocatedWorker:

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
-from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from cluster.engine.request import GenerationRequest
 from cluster.serve.grpc_api import (

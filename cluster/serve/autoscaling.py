@@ -7,7 +7,7 @@ costs about one decode step on a GPU), so it carries about E times the concurren
 same per-request token rate. A pass also waits for its drafts: when draft calls queue (a draft pool
 at `max_drafters`, a slow draft actor), each pass takes (1 + w) times its verification time, w the
 engine's wait for drafts over its verification time, so the credit is E / (1 + w). The draft pool
-sizes itself on the same wait, seen from the pool's side (cluster/runtime/draft_pool.py): the pool
+sizes itself on the same wait, seen from the pool's side (cluster/runtime/pool_sizing.py): the pool
 adds drafters while it can, and what it cannot absorb lowers the target replicas' credit here.
 This policy divides the load by that effective capacity, and adds a replica at once when a request
 has waited for a KV slot longer than `max_queue_wait_s`: a queue is normal (a replica may hold more

@@ -14,9 +14,10 @@ from actors.model.loader import load_model
 from cluster.engine.build import cost_key_of, local_engine
 from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.engine.config import EngineConfig
-from cluster.runtime.draft_pool import NAMESPACE, Window, decide_size
+from cluster.runtime.cluster_spec import ClusterSpec
+from cluster.runtime.draft_pool import NAMESPACE
 from cluster.runtime.draft_pool_spec import DraftPoolSpec
-from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.pool_sizing import Window, decide_size
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.cluster.runtime.cluster_requests import NEW_TOKENS, UNPLANNED, expected, requests, run_while  # noqa: F401

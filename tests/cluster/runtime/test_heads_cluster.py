@@ -10,7 +10,7 @@ from actors.model.loader import load_model, load_tokenizer
 from cluster.engine.build import local_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
-from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import ColocatedWorker, SpecCluster
 from cluster.serve.requests import RequestBuilder, RequestOptions, SpeculationOptions, StructuredOutput
 from speculators.heads.checkpoint import save_eagle3, save_medusa

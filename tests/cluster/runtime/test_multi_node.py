@@ -17,7 +17,8 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from cluster.engine.config import EngineConfig
-from cluster.runtime.placement import ClusterSpec, PlacementError, pending_placements, reserve
+from cluster.runtime.cluster_spec import ClusterSpec
+from cluster.runtime.placement import PlacementError, pending_placements, reserve
 from cluster.runtime.spec_cluster import SpecCluster
 from cluster.serve.app import GRPC_SERVICERS, AppArgs, SpecServer
 from protos import specserve_pb2 as pb

@@ -8,7 +8,8 @@ import ray
 from pydantic import ValidationError
 
 from cluster.engine.config import EngineConfig
-from cluster.runtime.placement import ClusterSpec, PlacementError, actor_options, check_group_fits_a_node, reserve
+from cluster.runtime.cluster_spec import ClusterSpec
+from cluster.runtime.placement import PlacementError, actor_options, check_group_fits_a_node, reserve
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 
 on_ray = pytest.mark.usefixtures("ray_four_gpus")

@@ -3,7 +3,7 @@ test_spec_cluster holds every fake GPU for its module)."""
 from __future__ import annotations
 
 from cluster.engine.config import EngineConfig
-from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.cluster.runtime.cluster_requests import UNPLANNED, expected, requests  # noqa: F401  (fixture)

@@ -9,7 +9,7 @@ import ray
 from actors.model.loader import load_model
 from cluster.engine.config import EngineConfig
 from cluster.engine.build import local_engine
-from cluster.runtime.placement import ClusterSpec
+from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.cluster.runtime.cluster_requests import NEW_TOKENS, UNPLANNED, expected, requests, run_while  # noqa: F401  (fixture)
