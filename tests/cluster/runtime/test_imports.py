@@ -7,12 +7,7 @@ the function runs. Only `if TYPE_CHECKING:` blocks, which never run, are left ou
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = ("speculators", "actors", "cluster")
@@ -124,16 +119,3 @@ def test_layers_point_one_way():
              for name in imported(module, path, typing_too=True)
              if name.split(".")[0] in MUST_NOT_IMPORT.get(module.split(".")[0], ())]
     assert not wrong, wrong
-
-
-RUNTIME_MODULES = sorted(f"cluster.runtime.{path.stem}" for path in (ROOT / "cluster" / "runtime").glob("*.py")
-                         if path.stem != "__init__")
-
-
-@pytest.mark.parametrize("module", RUNTIME_MODULES)
-def test_runtime_module_imports_alone(module):
-    """Each module imports first in a fresh interpreter: no order of imports hides a circle."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
