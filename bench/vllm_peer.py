@@ -29,6 +29,9 @@ SERVED_NAME = "smollm2-135m"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 """vLLM's n-gram (prompt lookup) speculation as a user would first try it: k = 4, lookup 2-4."""
 UNUSABLE_NEXT_TO_ITS_TORCH = ("torchvision", "torchaudio", "torchcodec")
+KV_CACHE_GIB = 4
+"""vLLM's KV cache on a CPU, fixed: its default reserves 92% of the machine's memory and refuses to start
+when anything else holds memory. 4 GiB is more than five times specserve's default budget."""
 
 
 @dataclass
@@ -105,7 +108,8 @@ def server_command(command: Path, model: Path, port: int, setting: VllmSetting, 
 
 
 def server_env(venv: Path, setting: VllmSetting) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", **setting.env}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+           **setting.env}
     if setting.tuned:
         cores = os.cpu_count() or 1
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
