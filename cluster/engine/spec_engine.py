@@ -1,10 +1,11 @@
 """The speculative decoding engine: admit, draft, verify in one batched pass, commit, stream.
 
-Requests join and leave between steps (continuous batching). A step drafts a tree for each active
-request of one micro-batch, verifies all of them in a single packed forward of the target worker
-(group), and commits each request's accepted tokens. With `pipeline` on, active requests are split
-into two micro-batches bound to their own drafter: while the target verifies one, the other is
-drafted, so a step costs about max(draft, verify) instead of their sum.
+Requests join and leave between steps (continuous batching; which run and what each pass prefills
+is the Scheduler's, scheduler.py). A step drafts a tree for each active request of one micro-batch,
+verifies all of them in a single packed forward of the target worker (group), and commits each
+request's accepted tokens. With `pipeline` on, active requests are split into two micro-batches
+bound to their own drafter: while the target verifies one, the other is drafted, so a step costs
+about max(draft, verify) instead of their sum.
 
 Workers are reached through `submit(method, *args, **kwargs) -> Future` (actors/worker.py), so the
 same code drives in-process workers and Ray actors; a target's calls carry the typed messages of
@@ -12,9 +13,8 @@ actors/messages.py. A drafter that fails, hangs or returns a bad tree costs one 
 request whose verification raises fails alone; a target that fails or hangs ends the requests it
 held with a retryable error and is rebuilt; a batch the target refuses (AdmissionRefused) fails alone.
 
-Other jobs live beside this module: which requests run and what each pass prefills (scheduler.py),
-what a request drafts (drafting.py), how one request's output grows and ends (sequence.py, text.py)
-and what is counted (stats.py).
+Other jobs live beside this module: what a request drafts (drafting.py), how one request's output
+grows and ends (sequence.py, text.py) and what is counted (stats.py).
 """
 from __future__ import annotations
 
@@ -142,11 +142,6 @@ class SpecEngine:
         return self.scheduler.has_work
 
     @property
-    def decoding(self) -> int:
-        """Requests running past their prefill."""
-        return self.scheduler.decoding
-
-    @property
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth
 
@@ -196,8 +191,7 @@ class SpecEngine:
         return [] if start is not None else self._target_failed(refused)
 
     def _forget_drafts(self, state: ActiveRequest, completed: Sequence[list[int]] = (), scopes: Sequence[str] = ()) -> None:
-        """The request's hidden states are dropped and its drafters forget it (told the output it
-        `completed` in each of `scopes`, for their suffix caches)."""
+        """Its hidden states are dropped; its drafters forget it, told the output it `completed` in each of `scopes`."""
         self._hidden.drop(state.request_id)
         for drafter, sent in zip(self.drafters, self._sent):
             tell(drafter, "release", [state.request_id], list(completed), list(scopes))
@@ -340,17 +334,13 @@ class SpecEngine:
         seconds = time.perf_counter() - began
         self.counters.steps += 1
         self.counters.verify_seconds += seconds
-        self._prefilled(reply.prefill)
+        for chunk in reply.prefill:  # a head drafts from the prompt's hidden states
+            if isinstance(chunk, PrefillChunk) and chunk.hidden is not None and chunk.seq_id in self.active:
+                self._hidden.add(chunk.seq_id, chunk.start, chunk.hidden)
+        self.scheduler.prefilled(reply.prefill)
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
         return [event for event in events if event is not None]
-
-    def _prefilled(self, replies: list[PrefillChunk | Preempted]) -> None:
-        """The chunks' hidden states are kept for the drafters; the scheduler counts the prompts down."""
-        for reply in replies:
-            if isinstance(reply, PrefillChunk) and reply.hidden is not None and reply.seq_id in self.active:
-                self._hidden.add(reply.seq_id, reply.start, reply.hidden)
-        self.scheduler.prefilled(replies)
 
     def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted,
                verify_seconds: float) -> StepEvent | None:
