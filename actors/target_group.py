@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from actors.draft_worker import DraftWorker
+from actors.messages import Admission, AdmitItem, PrefillChunk, VerifyItem, VerifyReply
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
-from actors.messages import Admission, AdmitItem, PrefillChunk, VerifyItem, VerifyReply
 from actors.target_worker import CacheOptions, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
@@ -244,9 +244,9 @@ class TargetGroup:
             raise
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
-        """Call `method(*args, **kwargs)` on every rank; the Future gives rank 0's result once all ranks are
-        done, or the first rank's error (a failed rank can leave the others stuck in a collective:
-        shut the group down and start a new one)."""
+        """Call `method(*args, **kwargs)` on every rank; the Future gives rank 0's result once all
+        ranks are done, or the first rank's error (a failed rank can leave the others stuck in a
+        collective: shut the group down and start a new one)."""
         if not self._shards:
             raise RuntimeError("the target group is shut down")
         with self._order:
