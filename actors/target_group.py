@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from actors.draft_worker import DraftWorker
+from actors.messages import Admission, AdmitItem, PrefillChunk, VerifyItem, VerifyReply
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
-from actors.target_worker import Admission, CacheOptions, PrefillChunk, TargetWorker
+from actors.target_worker import CacheOptions, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer
 from speculators.verify import VerifyResult
@@ -93,8 +94,8 @@ class TargetShard:
         self.worker = TargetWorker(decoder, max_sequences, max_len, cuda_graphs, hidden_layers,
                                    getattr(torch, hidden_dtype), self._cache)
 
-    def start(self, requests: Sequence[tuple], prefill: bool = True) -> Admission:
-        admission = self.worker.start(requests, prefill)
+    def start(self, requests: Sequence[AdmitItem], prefill: bool = True) -> Admission:
+        admission = self.worker.start(requests, prefill=prefill)
         if self.drafter is not None:
             admission.hidden = self.drafter.keep_prefill(admission.hidden)
         return admission
@@ -102,11 +103,11 @@ class TargetShard:
     def block_tables(self) -> dict[str, list[int]]:
         return self.worker.runner.block_tables()
 
-    def verify(self, batch: Sequence[tuple], prefill: Sequence[tuple[str, int]] = ()) -> list:
-        results = self.worker.verify(batch, prefill)
+    def verify(self, batch: Sequence[VerifyItem], prefill: Sequence[tuple[str, int]] = ()) -> VerifyReply:
+        reply = self.worker.verify(batch, prefill)
         if self.drafter is not None:
-            self.drafter.keep_verified(batch, results, self.worker.runner)
-        return results
+            self.drafter.keep_verified(batch, reply, self.worker.runner)
+        return reply
 
     def draft(self, method: str, *args: Any) -> Any:
         """A call to the co-located drafter (ColocatedDrafter): propose, release, runs_a_model."""
@@ -146,15 +147,13 @@ class ColocatedDrafter:
         for seq_id, rows in (hidden or {}).items():
             self.pending.add(seq_id, 0, rows)
 
-    def keep_verified(self, batch: Sequence[tuple], results: list, runner) -> None:
-        """`batch` as verified: (id, tree) or (id, tree, shaping) for a request with rules; the
-        results past the batch's are its prompt chunks."""
-        for (seq_id, *_), result in zip(batch, results):
+    def keep_verified(self, batch: Sequence[VerifyItem], reply: VerifyReply, runner) -> None:
+        for item, result in zip(batch, reply.results):
             if isinstance(result, VerifyResult) and result.hidden is not None:
-                root = runner.committed_length(seq_id) - len(result.accepted_nodes)
-                self.pending.add(seq_id, root, result.hidden)
+                root = runner.committed_length(item.request_id) - len(result.accepted_nodes)
+                self.pending.add(item.request_id, root, result.hidden)
                 result.hidden = None
-        for chunk in results[len(batch):]:
+        for chunk in reply.prefill:
             if isinstance(chunk, PrefillChunk) and chunk.hidden is not None:
                 self.pending.add(chunk.seq_id, chunk.start, chunk.hidden)
                 chunk.hidden = None
@@ -244,14 +243,14 @@ class TargetGroup:
             self.shutdown()
             raise
 
-    def submit(self, method: str, *args: Any) -> Future:
-        """Call `method(*args)` on every rank; the Future gives rank 0's result once all ranks are
-        done, or the first rank's error (a failed rank can leave the others stuck in a collective:
-        shut the group down and start a new one)."""
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Call `method(*args, **kwargs)` on every rank; the Future gives rank 0's result once all
+        ranks are done, or the first rank's error (a failed rank can leave the others stuck in a
+        collective: shut the group down and start a new one)."""
         if not self._shards:
             raise RuntimeError("the target group is shut down")
         with self._order:
-            refs = [getattr(shard, method).remote(*args) for shard in self._shards]
+            refs = [getattr(shard, method).remote(*args, **kwargs) for shard in self._shards]
         return _rank0_when_all_done([ref.future() for ref in refs])
 
     def parameter_bytes(self) -> list[int]:

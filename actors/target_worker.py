@@ -5,10 +5,10 @@ cache of every sequence it serves. `verify` runs every request's draft tree in o
 pass, applies the lossless acceptance rule per request and compacts the accepted nodes' K/V, so only
 the small VerifyResults leave the worker. On Ray it runs inside a TargetShard (target_group.py).
 
-The worker owns the KV blocks, so it decides what fits: `start` admits requests in order while
-their prompts fit (a prompt prefix cached under the request's scope costs no blocks and no
-compute), and `verify` preempts the newest requests of the call when the trees do not fit. Every
-rank of a tensor-parallel group gets the same calls in the same order and so decides the same.
+The worker owns the KV blocks, so it decides what fits (its policy: block_fit.py): `start` admits
+requests in order while their prompts fit (a prompt prefix cached under the request's scope costs
+no blocks and no compute), and `verify` preempts the newest requests when the trees do not fit.
+What the calls take and give back is typed in messages.py.
 """
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.block_fit import BlockFit
+from actors.messages import (
+    Admission, AdmissionRefused, AdmitItem, Preempted, PrefillChunk, RequestFailed, VerifyItem, VerifyReply,
+)
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE
 from actors.model.llama import LlamaDecoder
 from actors.model.runner import ModelRunner
@@ -41,53 +45,6 @@ class CacheOptions:
     prefix_caching: bool = False
 
 
-@dataclass
-class Admission:
-    """What `start` did: which requests it admitted (with the prompt tokens it found cached), which
-    it had no room for (the caller queues them again), and the prefilled tokens' hidden states when
-    `hidden_layers` asks for them."""
-
-    cached_tokens: dict[str, int]
-    refused: list[str]
-    hidden: dict[str, torch.Tensor] | None = None
-    free_blocks: int = 0
-    """Blocks free or cached and unheld after the admission, of `total_blocks`."""
-    total_blocks: int = 0
-
-
-@dataclass
-class PrefillChunk:
-    """After a verify call's results: one chunk of a prompt prefilled in the same pass, with the
-    chunk's hidden states when `hidden_layers` asks for them."""
-
-    seq_id: str
-    start: int
-    """The chunk's first position."""
-    tokens: int
-    """Prompt tokens it ran (past `start`)."""
-    cached: int = 0
-    """Prompt tokens found in the prefix cache just before it (filled meanwhile by another prompt
-    with the same prefix) and not run: the prompt advanced by `cached + tokens`."""
-    hidden: torch.Tensor | None = None
-
-
-@dataclass
-class Preempted:
-    """In place of a VerifyResult, or after the results for a request still being prefilled: the KV
-    cache had no room. Its blocks are freed; the engine resumes it later from its tokens so far
-    (mostly found in the prefix cache)."""
-
-    seq_id: str
-
-
-@dataclass
-class RequestFailed:
-    """In place of a VerifyResult: this request's verification raised. It ends with this error; the
-    other requests of the batch keep their results."""
-
-    reason: str
-
-
 class TargetWorker:
     def __init__(self, model: LlamaDecoder, max_sequences: int = 8, max_len: int = 2048, cuda_graphs: bool = False,
                  hidden_layers: Sequence[int] = (), hidden_dtype: torch.dtype = torch.float32,
@@ -102,63 +59,64 @@ class TargetWorker:
         self._prompts: dict[str, list[int]] = {}
         """Prompts admitted without their prefill (chunked prefill), until their last chunk is in."""
         self.hidden_layers, self.hidden_dtype = tuple(hidden_layers), hidden_dtype
+        self.fit = BlockFit(self.runner.pool)
 
     @property
     def max_len(self) -> int:
         return self.runner.max_len
 
-    def start(self, requests: Sequence[tuple], prefill: bool = True) -> Admission:
-        """Admit requests, each (id, prompt, SamplingParams) or (id, prompt, SamplingParams, cache
-        scope), in order while they fit, and prefill every prompt token but the last (the first
-        tree's root) that the prefix cache does not hold, all in one pass; or, without `prefill`,
-        keep the prompts for `verify` to prefill chunk by chunk (chunked prefill). A prompt's
-        blocks are taken at admission; they become findable by later prompts as they are filled.
-
-        A request is admitted when its blocks leave a watermark of 1% of the blocks free (room for
-        running requests to grow; past that `verify` preempts); the first that does not fit and
-        every later one are refused."""
-        for seq_id, prompt, *_ in requests:
-            if not prompt:
-                raise ValueError(f"request {seq_id!r} has an empty prompt")
-            if len(prompt) >= self.max_len:
-                raise ValueError(f"request {seq_id!r}: prompt of {len(prompt)} tokens exceeds {self.max_len - 1}")
+    def start(self, requests: Sequence[AdmitItem], prefill: bool = True) -> Admission:
+        """Admit requests in order while they fit (BlockFit), and prefill every prompt token but
+        the last (the first tree's root) that the prefix cache does not hold, all in one pass; or,
+        without `prefill`, keep the prompts for `verify` to prefill chunk by chunk (chunked prefill).
+        A prompt's blocks are taken at admission; they become findable by later prompts as they are
+        filled. The first request that does not fit and every later one are refused; a batch holding
+        one that can never be served raises AdmissionRefused."""
+        for item in requests:
+            if not item.tokens:
+                raise AdmissionRefused(f"request {item.request_id!r} has an empty prompt")
+            if len(item.tokens) >= self.max_len:
+                raise AdmissionRefused(f"request {item.request_id!r}: prompt of {len(item.tokens)} tokens exceeds "
+                                       f"{self.max_len - 1}")
         cached, refused = {}, []
-        for seq_id, prompt, sampling, *scope in requests:
-            if refused or not self._admit(seq_id, prompt, scope[0] if scope else None):
-                refused.append(seq_id)
+        for item in requests:
+            if refused or not self._admit(item):
+                refused.append(item.request_id)
                 continue
             # salted by where the request starts: one resumed after preemption (its tokens so far as the
             # prompt) must not draw again the numbers it drew before (the drafter's salts are positive)
+            sampling = item.sampling
             generator = (None if sampling.greedy or sampling.keyed
-                         else sampling.generator(VERIFY_SALT - len(prompt), self.model.device))
-            self._sampling[seq_id] = (sampling, generator)
-            cached[seq_id] = self.runner.committed_length(seq_id)
+                         else sampling.generator(VERIFY_SALT - len(item.tokens), self.model.device))
+            self._sampling[item.request_id] = (sampling, generator)
+            cached[item.request_id] = self.runner.committed_length(item.request_id)
+        admitted = [item for item in requests if item.request_id in cached]
         if not prefill:
-            self._prompts.update((seq_id, list(prompt[:-1])) for seq_id, prompt, *_ in requests if seq_id in cached)
+            self._prompts.update((item.request_id, list(item.tokens[:-1])) for item in admitted)
             return Admission(cached, refused, free_blocks=self.runner.pool.available, total_blocks=self.runner.pool.num_blocks)
-        inputs = [TreeInput(seq_id, list(prompt[cached[seq_id]:-1]), chain_parents(len(prompt) - 1 - cached[seq_id]),
-                            logits="none") for seq_id, prompt, *_ in requests if seq_id in cached]
+        inputs = [TreeInput(item.request_id, list(item.tokens[cached[item.request_id]:-1]),
+                            chain_parents(len(item.tokens) - 1 - cached[item.request_id]), logits="none")
+                  for item in admitted]
         _, hidden = self.runner.forward_capturing(inputs, self.hidden_layers)
-        for item in inputs:
-            self.runner.commit(item.seq_id, range(len(item.token_ids)))
+        for tree_input in inputs:
+            self.runner.commit(tree_input.seq_id, range(len(tree_input.token_ids)))
         admission = Admission(cached, refused, free_blocks=self.runner.pool.available,
                               total_blocks=self.runner.pool.num_blocks)
         if self._sends_hidden:
-            admission.hidden = {item.seq_id: rows.to(self.hidden_dtype) for item, rows in zip(inputs, hidden)
+            admission.hidden = {tree_input.seq_id: rows.to(self.hidden_dtype) for tree_input, rows in zip(inputs, hidden)
                                 if rows is not None}
         return admission
 
-    def _admit(self, seq_id: str, prompt: Sequence[int], scope: str | None) -> bool:
+    def _admit(self, item: AdmitItem) -> bool:
         """Add the request's sequence with the prompt prefix the cache holds and take the blocks of
         the rest, if they fit."""
-        runner = self.runner
-        if runner.cache.blocks_for(len(prompt) - 1) > runner.pool.num_blocks:
-            raise ValueError(f"request {seq_id!r}: a prompt of {len(prompt)} tokens does not fit in the whole KV cache "
-                             f"({runner.pool.num_blocks} blocks of {runner.cache.block_size})")
-        runner.add(seq_id, scope)
+        runner, seq_id, prompt = self.runner, item.request_id, item.tokens
+        if not self.fit.ever_fits(runner.cache.blocks_for(len(prompt) - 1)):
+            raise AdmissionRefused(f"request {seq_id!r}: a prompt of {len(prompt)} tokens does not fit in the whole KV "
+                                   f"cache ({runner.pool.num_blocks} blocks of {runner.cache.block_size})")
+        runner.add(seq_id, item.cache_scope)
         cached = runner.reuse_prefix(seq_id, prompt[:-1])
-        needed = runner.blocks_to_grow(seq_id, len(prompt) - 1 - cached)
-        if self._sampling and needed + runner.pool.num_blocks // 100 + 1 > runner.pool.available:
+        if not self.fit.admits(runner.blocks_to_grow(seq_id, len(prompt) - 1 - cached), alone=not self._sampling):
             runner.remove(seq_id)
             return False
         runner.reserve(seq_id, len(prompt) - 1)
@@ -168,17 +126,14 @@ class TargetWorker:
     def _sends_hidden(self) -> bool:
         return bool(self.hidden_layers) and self.model.comm.rank == 0
 
-    def verify(self, batch: Sequence[tuple[str, DraftTree] | tuple[str, DraftTree, Shaping | None]],
-               prefill: Sequence[tuple[str, int]] = ()) -> list[VerifyResult | RequestFailed | Preempted | PrefillChunk]:
-        """Each item is (request id, tree) or (request id, tree, Shaping): a request's penalties,
-        grammar mask and logprobs for this pass. `prefill`: (request id, tokens) chunks of prompts
-        admitted without prefill, run in the same pass. After the results: a PrefillChunk for each
-        chunk run, and a Preempted for each prompt still being prefilled that gave its blocks up."""
-        everything = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in batch]
-        preempted = self._make_room(everything)
-        items = [item for item in everything if item[0] not in preempted]
-        inputs = [TreeInput(seq_id, tree.token_ids, tree.parents, self._wanted(seq_id, shaping))
-                  for seq_id, tree, shaping in items]
+    def verify(self, batch: Sequence[VerifyItem], prefill: Sequence[tuple[str, int]] = ()) -> VerifyReply:
+        """Verify each item's tree (with its Shaping: penalties, grammar mask and logprobs for this
+        pass), and run `prefill`'s (request id, tokens) chunks of prompts admitted without prefill in
+        the same pass. Requests the trees leave no room for are preempted (BlockFit)."""
+        preempted = self._make_room(batch)
+        items = [item for item in batch if item.request_id not in preempted]
+        inputs = [TreeInput(item.request_id, item.tree.token_ids, item.tree.parents, self._wanted(item.request_id, item.shaping))
+                  for item in items]
         chunks, cached, filling = [], [], set()
         for seq_id, count in prefill:
             if seq_id not in preempted and count:
@@ -188,16 +143,16 @@ class TargetWorker:
         all_logits, all_hidden = self.runner.forward_capturing(inputs + chunks, self.hidden_layers)
         done = self._commit_chunks(chunks, cached, all_hidden[len(inputs):])
         results = self._decide(items, all_logits[:len(inputs)])
-        for (seq_id, _, _), result, rows in zip(items, results, all_hidden):
+        for item, result, rows in zip(items, results, all_hidden):
             if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
-                self.runner.truncate(seq_id, self.runner.committed_length(seq_id))
+                self.runner.truncate(item.request_id, self.runner.committed_length(item.request_id))
                 continue
-            self.runner.commit(seq_id, result.accepted_nodes)
+            self.runner.commit(item.request_id, result.accepted_nodes)
             if self._sends_hidden:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
-        decided, in_batch = iter(results), {seq_id for seq_id, _, _ in everything}
-        return ([Preempted(seq_id) if seq_id in preempted else next(decided) for seq_id, _, _ in everything]
-                + done + [Preempted(seq_id) for seq_id in preempted if seq_id not in in_batch])
+        decided, in_batch = iter(results), {item.request_id for item in batch}
+        return VerifyReply([Preempted(item.request_id) if item.request_id in preempted else next(decided) for item in batch],
+                           done + [Preempted(seq_id) for seq_id in preempted if seq_id not in in_batch])
 
     def _chunk(self, seq_id: str, count: int, filling: set[bytes]) -> tuple[TreeInput, int]:
         """The next `count` tokens of a prompt still to prefill (at most what is left), after those
@@ -231,22 +186,12 @@ class TargetWorker:
                                      rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
         return done
 
-    def _make_room(self, items: Sequence[tuple[str, DraftTree, Shaping | None]]) -> list[str]:
-        """Free the newest requests of the call and the newest prompts still being prefilled until
-        every other tree fits; the ids freed, newest first. The oldest candidate is always kept."""
-        runner = self.runner
-        needed = {seq_id: runner.blocks_to_grow(seq_id, tree.size) for seq_id, tree, _ in items}
-        if sum(needed.values()) <= runner.pool.available:
-            return []
+    def _make_room(self, items: Sequence[VerifyItem]) -> list[str]:
+        """The requests of the call and the prompts still being prefilled that BlockFit preempts
+        (their blocks freed) so the other trees fit, newest first."""
+        needed = {item.request_id: self.runner.blocks_to_grow(item.request_id, item.tree.size) for item in items}
         order = {seq_id: index for index, seq_id in enumerate(self._sampling)}
-        newest_first = sorted({*needed, *self._prompts}, key=order.__getitem__, reverse=True)
-        preempted = []
-        while sum(needed.values()) > runner.pool.available and len(newest_first) > 1:
-            victim = newest_first.pop(0)
-            self.finish(victim)
-            needed.pop(victim, None)
-            preempted.append(victim)
-        return preempted
+        return self.fit.make_room(needed, sorted({*needed, *self._prompts}, key=order.__getitem__), self.finish)
 
     def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:
         """A plain greedy request needs only the target's choice at each node; a sampled one, or one
@@ -268,7 +213,7 @@ class TargetWorker:
         except Exception as error:
             return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
 
-    def _decide(self, batch: Sequence[tuple[str, DraftTree, Shaping | None]],
+    def _decide(self, batch: Sequence[VerifyItem],
                 all_logits: list[torch.Tensor]) -> list[VerifyResult | RequestFailed]:
         """Run the verifier on rank 0 only and give its results to every rank.
 
@@ -281,8 +226,8 @@ class TargetWorker:
         outcome: list[VerifyResult] | str | None = None
         if comm.rank == 0:
             try:
-                outcome = [self._verify_one(seq_id, tree, logits, shaping)
-                           for (seq_id, tree, shaping), logits in zip(batch, all_logits)]
+                outcome = [self._verify_one(item.request_id, item.tree, logits, item.shaping)
+                           for item, logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")
                 raise

@@ -1,18 +1,30 @@
-"""One calling convention for workers wherever they live: `submit(method, *args) -> Future`.
+"""One calling convention for workers wherever they live: `submit(method, *args, **kwargs) -> Future`.
 
 The workers of this package (TargetWorker, DraftWorker) are plain classes; the engine drives them
 through this convention, so the same scheduling code runs the in-process CLI (LocalWorker) and the
 Ray cluster (RayActorWorker for draft actors; target_group.TargetGroup for a tensor-parallel target,
-which has the same method).
+which has the same method). Methods are named by string (as Ray's are); what a target's calls carry
+is typed in messages.py.
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+log = logging.getLogger(__name__)
+
 
 class Worker(Protocol):
-    def submit(self, method: str, *args: Any) -> Future: ...
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future: ...
+
+
+def tell(worker: Worker, method: str, *args: Any) -> None:
+    """A call whose answer nobody waits for; a dead worker must not stop the request from ending."""
+    try:
+        worker.submit(method, *args)
+    except Exception as error:
+        log.warning("could not send %s to a worker: %s", method, error)
 
 
 class LocalWorker:
@@ -27,13 +39,13 @@ class LocalWorker:
         self.target = target
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) if threaded else None
 
-    def submit(self, method: str, *args: Any) -> Future:
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
         call = getattr(self.target, method)
         if self._executor is not None:
-            return self._executor.submit(call, *args)
+            return self._executor.submit(call, *args, **kwargs)
         future: Future = Future()
         try:
-            future.set_result(call(*args))
+            future.set_result(call(*args, **kwargs))
         except BaseException as error:  # the caller learns of it from the future, as from a thread
             future.set_exception(error)
         return future
@@ -49,8 +61,8 @@ class RayActorWorker:
     def __init__(self, actor: Any):
         self.actor = actor
 
-    def submit(self, method: str, *args: Any) -> Future:
-        return getattr(self.actor, method).remote(*args).future()
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        return getattr(self.actor, method).remote(*args, **kwargs).future()
 
     def shutdown(self) -> None:
         import ray

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from actors.draft_worker import DraftWorker
+from actors.messages import AdmitItem, VerifyItem
 from actors.model.attention import get_backend
 from actors.model.llama import decoder_from_tensors
 from actors.model.loader import load_model
@@ -190,12 +191,12 @@ def sampling_with_a_device_generator(ctx: Context) -> dict:
     proposer = DraftModelProposer(ModelRunner(draft, 1, 256), width=2)
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=3, rule="rejection")
     tokens = ctx.prompt(16)
-    worker.start([("sampled", tokens, sampling)])
+    worker.start([AdmitItem(request_id="sampled", tokens=tokens, sampling=sampling)])
     tree_devices = set()
     for _ in range(4):
         tree = proposer.propose([DraftRequest("sampled", tokens, 3, 6, sampling=sampling)])[0]
         tree_devices.add(str(tree.draft_probs.device) if tree.draft_probs is not None else "none")
-        tokens = tokens + worker.verify([("sampled", tree)])[0].new_tokens
+        tokens = tokens + worker.verify([VerifyItem("sampled", tree)]).results[0].new_tokens
         proposer.on_accept("sampled", tokens)
     worker.finish("sampled")
     passed = pvalue > 1e-4 and tree_devices <= {"cpu", "none"}
@@ -224,11 +225,11 @@ def keyed_sampling_on_the_device(ctx: Context) -> dict:
         worker = TargetWorker(target, 1, 256)
         proposer = DraftModelProposer(ModelRunner(draft, 1, 256), width=2)
         tokens, accepted = list(prompt), 0
-        worker.start([("keyed", tokens, sampling)])
+        worker.start([AdmitItem(request_id="keyed", tokens=tokens, sampling=sampling)])
         while len(tokens) < len(prompt) + new:
             tree = (proposer.propose([DraftRequest("keyed", tokens, 3, 6, sampling=sampling)])[0] if drafting
                     else DraftTree.root_only(tokens[-1]))
-            result = worker.verify([("keyed", tree)])[0]
+            result = worker.verify([VerifyItem("keyed", tree)]).results[0]
             tokens, accepted = tokens + result.new_tokens, accepted + len(result.accepted_tokens)
             proposer.on_accept("keyed", tokens)
         worker.finish("keyed")
@@ -437,10 +438,10 @@ def shard_path(ctx: Context) -> dict:
         route = "in-process TargetShard and DraftWorker (ray is not importable here)"
     try:
         tokens = list(prompt)
-        target.submit("start", [("r", tokens, SamplingParams())]).result(300)
+        target.submit("start", [AdmitItem(request_id="r", tokens=tokens, sampling=SamplingParams())]).result(300)
         while len(tokens) - len(prompt) < new:
             tree = draft.submit("propose", [DraftRequest("r", tokens, 4, 4)]).result(300).trees[0]
-            tokens += target.submit("verify", [("r", tree)]).result(300)[0].new_tokens
+            tokens += target.submit("verify", [VerifyItem("r", tree)]).result(300).results[0].new_tokens
         generated = tokens[len(prompt): len(prompt) + new]
     finally:
         target.shutdown()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.messages import AdmitItem, VerifyItem
 from actors.model.llama import LlamaDecoder
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
@@ -39,12 +40,12 @@ class Decoded:
 def decode(worker: TargetWorker, prompt: Sequence[int], new_tokens: int, drafter: Drafter | None = None,
            seq_id: str = "greedy") -> Decoded:
     """Greedy decoding through the target worker's verification pass (plain when `drafter` is None)."""
-    worker.start([(seq_id, list(prompt), SamplingParams())])
+    worker.start([AdmitItem(request_id=seq_id, tokens=list(prompt), sampling=SamplingParams())])
     sequence, passes = list(prompt), 0
     try:
         while len(sequence) - len(prompt) < new_tokens:
             tree = DraftTree.root_only(sequence[-1]) if drafter is None else drafter(sequence)
-            sequence += worker.verify([(seq_id, tree)])[0].new_tokens
+            sequence += worker.verify([VerifyItem(seq_id, tree)]).results[0].new_tokens
             passes += 1
     finally:
         worker.finish(seq_id)

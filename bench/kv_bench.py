@@ -186,7 +186,7 @@ def decoding_together(app: dict, questions: list[dict], max_new_tokens: int) -> 
     most = 0
     while engine.has_work:
         engine.step()
-        most = max(most, engine.decoding)
+        most = max(most, engine.scheduler.decoding)
     return {"requests": len(questions), "most_decoding_at_once": most, "preemptions": engine.counters.preemptions,
             "kv_cache_bytes": config.kv_budget(engine_model.config, engine_model.dtype), "max_sequences": config.max_sequences}
 

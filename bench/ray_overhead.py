@@ -14,6 +14,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from actors.messages import VerifyItem, VerifyReply
 from bench.specbench import RESULTS_DIR, command_line, machine
 from speculators.proposers.base import DraftRequest
 from speculators.tree import DraftTree
@@ -31,7 +32,7 @@ class Echo:
     """Answers like a target shard and a draft actor, without the work."""
 
     def verify(self, batch):
-        return [VerifyResult([0], [], tree.token_ids[0]) for _, tree in batch]
+        return VerifyReply([VerifyResult([0], [], item.tree.token_ids[0]) for item in batch])
 
     def propose(self, requests):
         return [DraftTree.root_only(r.token_ids[-1]) for r in requests]
@@ -39,7 +40,7 @@ class Echo:
 
 def payloads(batch: int, nodes: int) -> dict[str, object]:
     tree = DraftTree.chain(7, list(range(nodes)), confidence=[1.0] * (nodes + 1))
-    return {"verify": [(f"r{i}", tree) for i in range(batch)],
+    return {"verify": [VerifyItem(f"r{i}", tree) for i in range(batch)],
             "propose": [DraftRequest(f"r{i}", [5, 6, 7], 8, nodes, start=900) for i in range(batch)]}
 
 

@@ -1,15 +1,17 @@
 """The speculative decoding engine: admit, draft, verify in one batched pass, commit, stream.
 
-Requests join and leave between steps (continuous batching). A step drafts a tree for each active
-request of one micro-batch, verifies all of them in a single packed forward of the target worker
-(group), and commits each request's accepted tokens. With `pipeline` on, active requests are split
-into two micro-batches bound to their own drafter: while the target verifies one, the other is
-drafted, so a step costs about max(draft, verify) instead of their sum.
+Requests join and leave between steps (continuous batching; which run and what each pass prefills
+is the Scheduler's, scheduler.py). A step drafts a tree for each active request of one micro-batch,
+verifies all of them in a single packed forward of the target worker (group), and commits each
+request's accepted tokens. With `pipeline` on, active requests are split into two micro-batches
+bound to their own drafter: while the target verifies one, the other is drafted, so a step costs
+about max(draft, verify) instead of their sum.
 
-Workers are reached through `submit(method, *args) -> Future` (actors/worker.py), so the same
-code drives in-process workers and Ray actors. A drafter that fails, hangs or returns a bad tree
-costs one plain step; a request whose verification raises fails alone; a target that fails or hangs
-ends the requests it held with a retryable error and is rebuilt.
+Workers are reached through `submit(method, *args, **kwargs) -> Future` (actors/worker.py), so the
+same code drives in-process workers and Ray actors; a target's calls carry the typed messages of
+actors/messages.py. A drafter that fails, hangs or returns a bad tree costs one plain step; a
+request whose verification raises fails alone; a target that fails or hangs ends the requests it
+held with a retryable error and is rebuilt; a batch the target refuses (AdmissionRefused) fails alone.
 
 Other jobs live beside this module: how much each request drafts and what of it is verified
 (speculation.py), how one request's output grows and ends (sequence.py, text.py) and what is counted
@@ -21,17 +23,27 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from actors.target_worker import Admission, Preempted, PrefillChunk, RequestFailed
-from actors.worker import Worker
+from actors.messages import (
+    Admission,
+    AdmissionRefused,
+    AdmitItem,
+    Preempted,
+    PrefillChunk,
+    RequestFailed,
+    VerifyItem,
+    VerifyReply,
+)
+from actors.worker import Worker, tell
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import SentTokens
 from cluster.engine.request import GenerationOutput, GenerationRequest
+from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import ActiveRequest
 from cluster.engine.speculation import SpeculationController
 from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
@@ -98,20 +110,10 @@ class SpecEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.waiting: deque[GenerationRequest] = deque()
-        self.preempted: deque[ActiveRequest] = deque()
-        """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
-        self._room_after_refusal = False
-        """The target refused an admission for want of KV blocks: offer no more until blocks are freed."""
-        self._prefilling: dict[str, None] = {}
-        """Admitted requests whose prompts are still being prefilled chunk by chunk, in admission order."""
-        self.kv_cache_usage: float | None = None
-        """Fraction of the target's KV blocks held, as its last admission reported (None before one)."""
-        self.active: dict[str, ActiveRequest] = {}
         self.counters = EngineCounters()
+        self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts)
         self._pending_drafts: dict[int, _PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
-        self._next_group = 0
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
         self._stalled = StalledWorkers()
@@ -123,43 +125,39 @@ class SpecEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         """Refuse a request the engine cannot serve, with a message naming the field."""
-        if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if not request.prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(request.prompt_ids) >= self.config.max_len:
-            raise ValueError(f"prompt has {len(request.prompt_ids)} tokens; the limit is {self.config.max_len - 1}")
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        self.scheduler.validate(request)
 
     def add(self, request: GenerationRequest) -> None:
-        self.validate(request)
-        if request.request_id in self.active or any(r.request_id == request.request_id for r in self.waiting):
-            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.scheduler.add(request)
         if not request.sampling.greedy and request.sampling.seed is None:
             # every tensor-parallel rank and every restarted drafter must draw the same numbers
             request.sampling = replace(request.sampling, seed=random.getrandbits(62))
-        self.waiting.append(request)
+
+    @property
+    def active(self) -> dict[str, ActiveRequest]:
+        return self.scheduler.active
+
+    @property
+    def waiting(self) -> deque[GenerationRequest]:
+        return self.scheduler.waiting
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.active)
-
-    @property
-    def decoding(self) -> int:
-        """Requests running past their prefill."""
-        return len(self.active) - len(self._prefilling)
+        return self.scheduler.has_work
 
     @property
     def queue_depth(self) -> int:
-        return len(self.waiting) + len(self.preempted)
+        return self.scheduler.queue_depth
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of the target's KV blocks held, as its last admission reported (None before one)."""
+        return self.scheduler.kv_cache_usage
 
     def abort(self, request_id: str) -> GenerationOutput | None:
         """Drop a request wherever it is, freeing its caches (a cancelled client)."""
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
-        resumable = next((s for s in self.preempted if s.request_id == request_id), None)
+        resumable = self.scheduler.withdraw(request_id)
         if resumable is not None:
-            self.preempted.remove(resumable)
             resumable.finish_reason = "abort"
             return resumable.final_output()
         state = self.active.get(request_id)
@@ -170,61 +168,37 @@ class SpecEngine:
 
     # ---- scheduling ---------------------------------------------------------------------------
 
-    @property
-    def _num_groups(self) -> int:
-        return 2 if self.config.pipeline else 1
-
     def _admit(self) -> list[StepEvent]:
-        """Offer the target the requests that may start (set-back ones first); it admits those its KV
-        cache has room for and gives the rest back (`_check_starts`)."""
-        if self._room_after_refusal:
-            return []
-        resumed, admitted = [], []
-        while self.preempted and len(self.active) + len(resumed) < self.config.max_sequences:
-            resumed.append(self.preempted.popleft())
-        while self.waiting and len(self.active) + len(resumed) + len(admitted) < self.config.max_sequences:
-            admitted.append(self.waiting.popleft())
+        """Offer the target the requests the scheduler lets start (set-back ones first); it admits
+        those its KV cache has room for and gives the rest back (`_check_starts`)."""
+        resumed, admitted = self.scheduler.offer()
         if not admitted and not resumed:
             return []
         now = time.perf_counter()
-        offered = [(s.request_id, list(s.tokens), s.request.sampling, s.request.cache_scope) for s in resumed]
-        offered += [(r.request_id, r.prompt_ids, r.sampling, r.cache_scope) for r in admitted]
+        offered = [_admit_item(s.request, list(s.tokens)) for s in resumed]
+        offered += [_admit_item(r, r.prompt_ids) for r in admitted]
         # no wait: the worker runs calls in order, so the prefill lands before the next verify
         try:
-            start = self.target.submit("start", offered, *(() if self._chunk_tokens is None else (False,)))
+            start = self.target.submit("start", offered, prefill=not self.scheduler.chunked)
         except Exception as error:  # a dead target: the requests become active below, then fail with it
             start, refused = None, error
         else:
-            self._pending_starts.append((start, [request_id for request_id, *_ in offered]))
+            self._pending_starts.append((start, [item.request_id for item in offered]))
         for request in admitted:
             state = ActiveRequest(request=request, speculation=self.speculation.for_request(request), group=0,
                                   text=OutputText(self.tokenizer, request.stop), tokens=list(request.prompt_ids), started=now)
             state.stats.queue_seconds = now - request.arrival_time
             state.rules = RequestRules.of(request)
             resumed.append(state)
-        for state in resumed:
-            sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self._num_groups)]
-            state.group = sizes.index(min(sizes))
-            self.active[state.request_id] = state
+        self.scheduler.run(resumed)
         return [] if start is not None else self._target_failed(refused)
 
-    @property
-    def _chunk_tokens(self) -> int | None:
-        return self.config.prefill_chunk_tokens
-
-    def _set_back(self, state: ActiveRequest) -> None:
-        """Return an active request to the queues: its drafters forget it, its tokens so far stay."""
-        self.active.pop(state.request_id)
-        self._forget_prefill(state)
+    def _forget_drafts(self, state: ActiveRequest, completed: Sequence[list[int]] = (), scopes: Sequence[str] = ()) -> None:
+        """Its hidden states are dropped; its drafters forget it, told the output it `completed` in each of `scopes`."""
         self._hidden.drop(state.request_id)
         for drafter, sent in zip(self.drafters, self._sent):
-            _tell(drafter, "release", [state.request_id], [], [])
+            tell(drafter, "release", [state.request_id], list(completed), list(scopes))
             sent.forget([state.request_id])
-        if state.output:
-            self.preempted.append(state)
-            self.preempted = deque(sorted(self.preempted, key=lambda s: s.started))
-        else:
-            self.waiting.appendleft(state.request)
 
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
         if not self.drafters:
@@ -299,31 +273,18 @@ class SpecEngine:
         for future, request_ids in list(self._pending_starts):
             try:
                 admission: Admission = result_within(future, self.config.target_timeout_s, "the target's prefill")
-                for request_id, rows in (admission.hidden or {}).items():
-                    self._hidden.add(request_id, 0, rows)
-            except Exception as error:
-                if not isinstance(error, ValueError):  # dead or hung, not a refusal: every request goes with it
-                    return events + self._target_failed(error)
+            except AdmissionRefused as error:  # requests it can never serve: they fail, the target serves on
                 log.error("prefill failed: %s", error)
                 for request_id in request_ids:
                     state = self.active[request_id]
                     state.fail(f"prefill failed: {error}")
                     events.append(self._finished_event(state))
                 continue
-            for request_id, cached in admission.cached_tokens.items():
-                state = self.active[request_id]
-                self.counters.prompt_tokens += len(state.tokens)
-                self.counters.cached_prompt_tokens += cached
-                if not state.output:
-                    state.stats.cached_prompt_tokens = cached
-                if self._chunk_tokens is not None:
-                    state.prefill_left = len(state.tokens) - 1 - cached
-                    self._prefilling[request_id] = None
-            if admission.total_blocks:
-                self.kv_cache_usage = 1 - admission.free_blocks / admission.total_blocks
-            for request_id in reversed(admission.refused):
-                self._set_back(self.active[request_id])
-            self._room_after_refusal = bool(admission.refused)
+            except Exception as error:  # dead or hung, not a refusal: every request goes with it
+                return events + self._target_failed(error)
+            for request_id, rows in (admission.hidden or {}).items():
+                self._hidden.add(request_id, 0, rows)
+            self.scheduler.admitted(admission)
         self._pending_starts.clear()
         return events
 
@@ -334,12 +295,8 @@ class SpecEngine:
         failed = self._admit() + self._check_starts()
         if failed or not self.active:
             return failed
-        group = self._next_group
-        self._next_group = (group + 1) % self._num_groups
-        chunks = self._next_chunks()
-        if not chunks:  # prompts with nothing left to prefill (one token, or all cached) need no pass
-            self._prefill_done([])
-        states = self._decoding(group)
+        plan = self.scheduler.plan()
+        group, states, chunks = plan.group, plan.decoding, plan.chunks
         if not states and not chunks:
             return []
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
@@ -348,73 +305,28 @@ class SpecEngine:
         trees = self.speculation.trim(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
         began = time.perf_counter()
         items = [_verify_item(s, t) for s, t in zip(states, trees)]
-        verify = self.target.submit("verify", items, *((chunks,) if chunks else ()))
+        verify = self.target.submit("verify", items, chunks)
         if self.config.pipeline:
-            other = (group + 1) % self._num_groups
-            others = self._decoding(other)
+            other = (group + 1) % self.scheduler.groups
+            others = self.scheduler.decoding_in(other)
             if others:
                 drafted = self._submit_draft(other, others)
                 if drafted:
                     self._pending_drafts[other] = drafted
         try:
-            results = result_within(verify, self.config.target_timeout_s, "the target's verification")
+            reply: VerifyReply = result_within(verify, self.config.target_timeout_s, "the target's verification")
         except Exception as error:
             return self._target_failed(error)
         seconds = time.perf_counter() - began
         self.counters.steps += 1
         self.counters.verify_seconds += seconds
-        self._prefill_done(results[len(items):])
-        events = [self._apply(state, tree, result, seconds / len(states)) for state, tree, result in zip(states, trees, results)]
+        for chunk in reply.prefill:  # a head drafts from the prompt's hidden states
+            if isinstance(chunk, PrefillChunk) and chunk.hidden is not None and chunk.seq_id in self.active:
+                self._hidden.add(chunk.seq_id, chunk.start, chunk.hidden)
+        self.scheduler.prefilled(reply.prefill)
+        events = [self._apply(state, tree, result, seconds / len(states))
+                  for state, tree, result in zip(states, trees, reply.results)]
         return [event for event in events if event is not None]
-
-    def _decoding(self, group: int) -> list[ActiveRequest]:
-        """The micro-batch's requests whose prompts are in the cache."""
-        return [s for s in self.active.values() if s.group == group and s.request_id not in self._prefilling]
-
-    def _next_chunks(self) -> list[tuple[str, int]]:
-        """This pass's prompt chunks in admission order: at most `prefill_chunk_tokens` in all while
-        any request decodes (a pass that holds up streams stays short), every prompt waiting when
-        none does (nobody to hold up)."""
-        budget = self._chunk_tokens if self.decoding else sum(self.active[r].prefill_left for r in self._prefilling)
-        chunks = []
-        for request_id in self._prefilling:
-            state = self.active[request_id]
-            count = min(state.prefill_left, budget)
-            if count:
-                chunks.append((request_id, count))
-                budget -= count
-            if count < state.prefill_left:
-                break
-        return chunks
-
-    def _prefill_done(self, replies: list[PrefillChunk | Preempted]) -> None:
-        """Chunks run (the rest of their prompts counted down, by what the prefix cache gave them
-        too) and prompts the target preempted; prompts with nothing left start decoding."""
-        for reply in replies:
-            state = self.active.get(reply.seq_id)
-            if state is None:
-                continue
-            if isinstance(reply, Preempted):
-                self._preempted(state)
-                continue
-            state.prefill_left -= reply.cached + reply.tokens
-            self.counters.cached_prompt_tokens += reply.cached
-            if not state.output:
-                state.stats.cached_prompt_tokens += reply.cached
-            if reply.hidden is not None:
-                self._hidden.add(reply.seq_id, reply.start, reply.hidden)
-        for request_id in [r for r in self._prefilling if self.active[r].prefill_left <= 0]:
-            self._prefilling.pop(request_id)
-
-    def _preempted(self, state: ActiveRequest) -> None:
-        """The KV cache was full: the target freed the request's blocks; it resumes once there is room."""
-        self.counters.preemptions += 1
-        state.stats.preemptions += 1
-        self._set_back(state)
-        self._room_after_refusal = False
-
-    def _forget_prefill(self, state: ActiveRequest) -> None:
-        self._prefilling.pop(state.request_id, None)
 
     def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted,
                verify_seconds: float) -> StepEvent | None:
@@ -423,7 +335,7 @@ class SpecEngine:
             state.fail(result.reason)
             return self._finished_event(state)
         if isinstance(result, Preempted):
-            self._preempted(state)
+            self.scheduler.preempt(state)
             return None
         self.counters.request_passes += 1
         state.stats.record(tree.depths[1:], len(result.accepted_tokens))
@@ -470,12 +382,11 @@ class SpecEngine:
     def _refuse_waiting(self) -> list[StepEvent]:
         """While the target is down, waiting requests end at once with a retryable error."""
         reason = f"{TARGET_UNAVAILABLE} ({self.unavailable})"
-        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in self.waiting]
-        for state in self.preempted:
+        waiting, preempted = self.scheduler.drain()
+        refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in waiting]
+        for state in preempted:
             state.fail(reason)
             refused.append(StepEvent(state.request_id, [], state.final_output(), state.text.finish()))
-        self.waiting.clear()
-        self.preempted.clear()
         return refused
 
     @property
@@ -487,7 +398,6 @@ class SpecEngine:
         """End every active request with a retryable error (waiting requests stay queued)."""
         self._pending_drafts.clear()
         self._pending_starts.clear()
-        self._prefilling.clear()
         events = []
         for state in list(self.active.values()):
             state.fail(reason)
@@ -503,18 +413,13 @@ class SpecEngine:
 
     def _finish(self, state: ActiveRequest, notify_target: bool = True) -> GenerationOutput:
         """Free the request's caches everywhere and build its output."""
-        self.active.pop(state.request_id)
-        self._forget_prefill(state)
-        self._room_after_refusal = False
-        self._hidden.drop(state.request_id)
+        self.scheduler.finished(state)
         if notify_target:
-            _tell(self.target, "finish", state.request_id)
+            tell(self.target, "finish", state.request_id)
         scope = state.request.cache_scope
         completed = [state.output] if state.finish_reason in ("stop", "length") and state.output \
             and scope is not None else []
-        for drafter, sent in zip(self.drafters, self._sent):
-            _tell(drafter, "release", [state.request_id], completed, [scope] * len(completed))
-            sent.forget([state.request_id])
+        self._forget_drafts(state, completed, [scope] * len(completed))
         return state.final_output()
 
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:
@@ -531,17 +436,14 @@ class SpecEngine:
         return [done[request_id] for request_id in order]
 
 
-def _verify_item(state: ActiveRequest, tree: DraftTree) -> tuple:
+def _admit_item(request: GenerationRequest, tokens: list[int]) -> AdmitItem:
+    """What the target admits for one request: its tokens so far (a prompt, or a resumed request's)."""
+    return AdmitItem(request_id=request.request_id, tokens=tokens, sampling=request.sampling,
+                     cache_scope=request.cache_scope)
+
+
+def _verify_item(state: ActiveRequest, tree: DraftTree) -> VerifyItem:
     """What the target verifies for one request: its tree, and the step's Shaping when it has rules."""
-    if state.rules is None:
-        return state.request_id, tree
-    return state.request_id, tree, state.rules.shaping(tree, state.tokens)
+    return VerifyItem(state.request_id, tree, None if state.rules is None else state.rules.shaping(tree, state.tokens))
 
-
-def _tell(worker: Worker, method: str, *args) -> None:
-    """A call whose answer nobody waits for; a dead worker must not stop the request from ending."""
-    try:
-        worker.submit(method, *args)
-    except Exception as error:
-        log.warning("could not send %s to a worker: %s", method, error)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from actors.messages import AdmitItem, VerifyItem
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
 from speculators.proposers.base import TreeInput
@@ -37,12 +38,12 @@ def test_prefill_and_verification_return_the_committed_tokens_rows(tiny_model):
     capture = (1, 2, LAYERS)
     worker = TargetWorker(model, 2, 128, hidden_layers=capture, hidden_dtype=torch.float32)
     prompt = [3, 17, 42, 5, 9]
-    prefill = worker.start([("a", prompt, SamplingParams())]).hidden["a"]
+    prefill = worker.start([AdmitItem(request_id="a", tokens=prompt, sampling=SamplingParams())]).hidden["a"]
     assert prefill.dtype == torch.float32 and prefill.shape == (len(prompt) - 1, 3 * 32)
-    greedy = worker.verify([("a", DraftTree.root_only(prompt[-1]))])[0]
+    greedy = worker.verify([VerifyItem("a", DraftTree.root_only(prompt[-1]))]).results[0]
     first = greedy.next_token
     tree = DraftTree([first, 11, 12, 13], [-1, 0, 0, 1])  # the target's choices decide what is kept
-    result = worker.verify([("a", tree)])[0]
+    result = worker.verify([VerifyItem("a", tree)]).results[0]
     committed = prompt + [first] + result.accepted_tokens
     reference = full_pass(model, committed, capture).float()
     assert torch.allclose(prefill, reference[: len(prompt) - 1], atol=1e-6)
@@ -54,5 +55,5 @@ def test_prefill_and_verification_return_the_committed_tokens_rows(tiny_model):
 def test_a_target_without_a_head_sends_nothing(tiny_model):
     model, _ = tiny_model
     worker = TargetWorker(model, 1, 64)
-    assert worker.start([("a", [1, 2, 3], SamplingParams())]).hidden is None
-    assert worker.verify([("a", DraftTree.root_only(3))])[0].hidden is None
+    assert worker.start([AdmitItem(request_id="a", tokens=[1, 2, 3], sampling=SamplingParams())]).hidden is None
+    assert worker.verify([VerifyItem("a", DraftTree.root_only(3))]).results[0].hidden is None

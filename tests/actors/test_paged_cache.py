@@ -7,7 +7,8 @@ import torch
 
 from actors.model.block_pool import BlockPool, CacheFullError
 from actors.model.runner import ModelRunner
-from actors.target_worker import CacheOptions, Preempted, TargetWorker
+from actors.messages import AdmitItem, Preempted, VerifyItem
+from actors.target_worker import CacheOptions, TargetWorker
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
@@ -103,29 +104,32 @@ def test_a_cached_prefix_is_reused_in_its_scope_only_and_copied_before_a_rewrite
 def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
     model, _ = tiny_model
     worker = TargetWorker(model, 8, 64, cache=CacheOptions(blocks=8, block_size=4, prefix_caching=True))
-    admission = worker.start([("a", list(range(1, 14)), GREEDY, "t"), ("b", list(range(21, 34)), GREEDY, "t"),
-                              ("c", list(range(41, 54)), GREEDY, "t")])
+    admission = worker.start([AdmitItem(request_id="a", tokens=list(range(1, 14)), sampling=GREEDY, cache_scope="t"),
+                              AdmitItem(request_id="b", tokens=list(range(21, 34)), sampling=GREEDY, cache_scope="t"),
+                              AdmitItem(request_id="c", tokens=list(range(41, 54)), sampling=GREEDY, cache_scope="t")])
     assert admission.refused == ["c"] and admission.cached_tokens == {"a": 0, "b": 0}
-    assert worker.start([("c", list(range(1, 15)), GREEDY)]).refused == ["c"]  # no scope: a's blocks are not its
-    again = worker.start([("c", list(range(1, 15)), GREEDY, "t")])  # a's prompt prefix: one new block for it
+    no_scope = AdmitItem(request_id="c", tokens=list(range(1, 15)), sampling=GREEDY)
+    assert worker.start([no_scope]).refused == ["c"]  # no scope: a's blocks are not its
+    in_scope = AdmitItem(request_id="c", tokens=list(range(1, 15)), sampling=GREEDY, cache_scope="t")
+    again = worker.start([in_scope])  # a's prompt prefix: one new block for it
     assert again.refused == [] and again.cached_tokens == {"c": 12}
-    trees = [(s, DraftTree([t] + [5] * 6, chain_parents(7))) for s, t in (("a", 13), ("b", 33), ("c", 14))]
-    results = worker.verify(trees)  # 5 more blocks wanted, 1 free: c, then b, give theirs up
+    trees = [VerifyItem(s, DraftTree([t] + [5] * 6, chain_parents(7))) for s, t in (("a", 13), ("b", 33), ("c", 14))]
+    results = worker.verify(trees).results  # 5 more blocks wanted, 1 free: c, then b, give theirs up
     assert isinstance(results[1], Preempted) and isinstance(results[2], Preempted) and len(results[0].new_tokens) >= 1
     assert not worker.runner.has("b") and not worker.runner.has("c")
-    resumed = worker.start([("b", list(range(21, 34)), GREEDY, "t")])  # its own blocks are still cached
-    assert resumed.cached_tokens == {"b": 12}
+    resumed = worker.start([AdmitItem(request_id="b", tokens=list(range(21, 34)), sampling=GREEDY, cache_scope="t")])
+    assert resumed.cached_tokens == {"b": 12}  # its own blocks are still cached
 
 
 def test_chunked_prefill_computes_what_one_pass_does(tiny_model):
     model, _ = tiny_model
     prompt = list(range(1, 40))
     whole = TargetWorker(model, 2, 64)
-    whole.start([("a", prompt, GREEDY)])
+    whole.start([AdmitItem(request_id="a", tokens=prompt, sampling=GREEDY)])
     chunked = TargetWorker(model, 2, 64)
-    assert chunked.start([("a", prompt, GREEDY)], prefill=False).cached_tokens == {"a": 0}
+    assert chunked.start([AdmitItem(request_id="a", tokens=prompt, sampling=GREEDY)], prefill=False).cached_tokens == {"a": 0}
     for count in (16, 16, 6):
-        [done] = chunked.verify([], [("a", count)])
+        [done] = chunked.verify([], [("a", count)]).prefill
         assert done.seq_id == "a" and chunked.runner.committed_length("a") == done.start + count
     with pytest.raises(ValueError, match="left"):
         chunked.verify([], [("a", 1)])
@@ -138,12 +142,13 @@ def test_a_prompt_admitted_beside_one_with_its_prefix_takes_the_blocks_the_other
     model, _ = tiny_model
     shared = list(range(1, 34))
     worker = TargetWorker(model, 2, 64, cache=CacheOptions(blocks=32, block_size=8, prefix_caching=True))
-    admission = worker.start([("a", shared + [40, 41], GREEDY, "t"), ("b", shared + [50, 51], GREEDY, "t")],
+    admission = worker.start([AdmitItem(request_id="a", tokens=shared + [40, 41], sampling=GREEDY, cache_scope="t"),
+                              AdmitItem(request_id="b", tokens=shared + [50, 51], sampling=GREEDY, cache_scope="t")],
                              prefill=False)
     assert admission.cached_tokens == {"a": 0, "b": 0}  # nothing computed yet
-    [first] = worker.verify([], [("a", 34)])
+    [first] = worker.verify([], [("a", 34)]).prefill
     assert (first.start, first.tokens, first.cached) == (0, 34, 0)
-    [second] = worker.verify([], [("b", 20)])  # a filled 4 whole blocks of the shared prefix meanwhile
+    [second] = worker.verify([], [("b", 20)]).prefill  # a filled 4 whole blocks of the shared prefix meanwhile
     assert (second.start, second.tokens, second.cached) == (32, 2, 32)
     assert worker.runner.kv_manager.block_table("b")[:4] == worker.runner.kv_manager.block_table("a")[:4]
     assert worker.runner.committed_length("b") == 34 and "b" not in worker._prompts
@@ -157,10 +162,11 @@ def test_prompts_with_a_common_prefix_in_one_pass_compute_it_once(tiny_model):
     shared = list(range(1, 34))
     worker = TargetWorker(model, 2, 64, cache=CacheOptions(blocks=32, block_size=8, prefix_caching=True))
     prompts = {"a": shared + [40, 41], "b": shared + [50, 51], "c": [9] * 20}
-    worker.start([(seq_id, prompt, GREEDY, "t") for seq_id, prompt in prompts.items()], prefill=False)
-    first = worker.verify([], [("a", 34), ("b", 34), ("c", 19)])
+    worker.start([AdmitItem(request_id=seq_id, tokens=prompt, sampling=GREEDY, cache_scope="t")
+                  for seq_id, prompt in prompts.items()], prefill=False)
+    first = worker.verify([], [("a", 34), ("b", 34), ("c", 19)]).prefill
     assert [(c.seq_id, c.tokens, c.cached) for c in first] == [("a", 34, 0), ("b", 0, 0), ("c", 19, 0)]
-    [second] = worker.verify([], [("b", 34)])
+    [second] = worker.verify([], [("b", 34)]).prefill
     assert (second.tokens, second.cached) == (2, 32)
     tree = DraftTree([51, 3, 4], [-1, 0, 1])
     got = worker.runner.forward([TreeInput("b", tree.token_ids, tree.parents)])[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from actors.messages import AdmitItem, VerifyItem
 from actors.target_worker import CacheOptions, TargetWorker
 from speculators.penalties import Penalties, PenaltyContext
 from speculators.proposers.base import TreeInput
@@ -22,12 +23,14 @@ def test_a_prompt_admitted_later_reuses_the_computed_blocks_of_an_identical_one(
     real_forward = worker.runner.forward_capturing
     worker.runner.forward_capturing = lambda inputs, capture=(): (passes.append([len(i.token_ids) for i in inputs])
                                                                   or real_forward(inputs, capture))
-    worker.start([("a", PROMPT, GREEDY, ""), ("c", [5, 6, 2], GREEDY, "")])
-    admission = worker.start([("b", PROMPT, GREEDY, ""), ("d", PROMPT, GREEDY, "other scope")])
+    worker.start([AdmitItem(request_id="a", tokens=PROMPT, sampling=GREEDY, cache_scope=""),
+                  AdmitItem(request_id="c", tokens=[5, 6, 2], sampling=GREEDY, cache_scope="")])
+    admission = worker.start([AdmitItem(request_id="b", tokens=PROMPT, sampling=GREEDY, cache_scope=""),
+                              AdmitItem(request_id="d", tokens=PROMPT, sampling=GREEDY, cache_scope="other scope")])
     assert passes == [[len(PROMPT) - 1, 2], [2, len(PROMPT) - 1]]  # b finds a's full block of 4; d is not a's tenant
     assert admission.cached_tokens == {"b": 4, "d": 0}
     alone = TargetWorker(model, max_sequences=1, max_len=64)
-    alone.start([("x", PROMPT, GREEDY)])
+    alone.start([AdmitItem(request_id="x", tokens=PROMPT, sampling=GREEDY)])
     tree = DraftTree([2, 8, 8], [-1, 0, 1])
     expected = alone.runner.forward([TreeInput("x", tree.token_ids, tree.parents)])[0]
     for seq_id in "abd":
@@ -39,9 +42,9 @@ def test_a_prompt_admitted_later_reuses_the_computed_blocks_of_an_identical_one(
 def test_logprobs_come_from_the_verification_pass(tiny_model):
     model, reference = tiny_model
     worker = TargetWorker(model, max_sequences=1, max_len=64)
-    worker.start([("s", PROMPT, GREEDY)])
+    worker.start([AdmitItem(request_id="s", tokens=PROMPT, sampling=GREEDY)])
     tree = DraftTree([2, 9, 9, 1], [-1, 0, 1, 2])
-    result = worker.verify([("s", tree, Shaping(logprobs=3))])[0]
+    result = worker.verify([VerifyItem("s", tree, Shaping(logprobs=3))]).results[0]
     sequence = PROMPT + result.new_tokens[:-1]
     with torch.no_grad():
         logits = reference(torch.tensor([sequence])).logits[0, len(PROMPT) - 1:].double()
@@ -58,13 +61,13 @@ def test_logprobs_come_from_the_verification_pass(tiny_model):
 def test_greedy_with_penalties_takes_the_penalised_argmax(tiny_model):
     model, reference = tiny_model
     worker = TargetWorker(model, max_sequences=1, max_len=64)
-    worker.start([("s", PROMPT, GREEDY)])
+    worker.start([AdmitItem(request_id="s", tokens=PROMPT, sampling=GREEDY)])
     with torch.no_grad():
         logits = reference(torch.tensor([PROMPT])).logits[0, -1].double()
     top = int(logits.argmax())
     penalties = Penalties(repetition=1.0, presence=2.0, frequency=2.0)
     context = PenaltyContext(penalties, PROMPT + [top], len(PROMPT))  # the likeliest token already in the output
-    result = worker.verify([("s", DraftTree.root_only(PROMPT[-1]), Shaping(penalties=context))])[0]
+    result = worker.verify([VerifyItem("s", DraftTree.root_only(PROMPT[-1]), Shaping(penalties=context))]).results[0]
     penalised = logits.clone()
     penalised[top] -= 4.0
     assert result.next_token == int(penalised.argmax()) != top

@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from actors.messages import AdmitItem, RequestFailed, VerifyItem
 from actors.model.llama import project
 from actors.model.loader import load_model
 from actors.model.sharding import ShardPlan
 from actors.target_group import TargetGroup
-from actors.target_worker import CacheOptions, RequestFailed
+from actors.target_worker import CacheOptions
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
 from tests.cluster.ray_fixtures import local_ray
@@ -93,12 +94,12 @@ def call(group: TargetGroup, method: str, *args):
 def greedy_decode(group: TargetGroup, seq_id: str, prompt: list[int], steps: int, trees: dict | None = None):
     """Greedy tokens from `steps` verify calls: plain decoding (a root-only tree) except at the steps
     named in `trees`, which map the last token to a multi-branch tree to verify instead."""
-    call(group, "start", [(seq_id, prompt, SamplingParams())])
+    call(group, "start", [AdmitItem(request_id=seq_id, tokens=prompt, sampling=SamplingParams())])
     tokens = []
     for step in range(steps):
         last = tokens[-1] if tokens else prompt[-1]
         tree = (trees or {}).get(step, DraftTree.root_only)(last)
-        tokens += call(group, "verify", [(seq_id, tree)])[0].new_tokens
+        tokens += call(group, "verify", [VerifyItem(seq_id, tree)]).results[0].new_tokens
     call(group, "finish", seq_id)
     return tokens
 
@@ -110,13 +111,14 @@ def test_every_rank_makes_the_same_block_decisions(model):
 
     case, groups = model
     group, prompt = groups[2], case.prompt * 3
-    call(group, "start", [("p", prompt, SamplingParams(), "t")])
+    call(group, "start", [AdmitItem(request_id="p", tokens=prompt, sampling=SamplingParams(), cache_scope="t")])
     shared = (len(prompt) - 1) // 4 * 4  # p's full blocks of 4
-    assert call(group, "start", [("q", prompt + [5, 6], SamplingParams(), "t")]).cached_tokens == {"q": shared}
-    call(group, "start", [("r", prompt[::-1], SamplingParams(), "t")], False)
+    longer = AdmitItem(request_id="q", tokens=prompt + [5, 6], sampling=SamplingParams(), cache_scope="t")
+    assert call(group, "start", [longer]).cached_tokens == {"q": shared}
+    call(group, "start", [AdmitItem(request_id="r", tokens=prompt[::-1], sampling=SamplingParams(), cache_scope="t")], False)
     wide = DraftTree.from_paths(prompt[-1], [[1, 2, 3], [4, 5]])
-    call(group, "verify", [("p", wide), ("q", DraftTree.root_only(6))], [("r", 8)])
-    call(group, "verify", [("q", wide)], [("r", len(prompt) - 9)])
+    call(group, "verify", [VerifyItem("p", wide), VerifyItem("q", DraftTree.root_only(6))], [("r", 8)])
+    call(group, "verify", [VerifyItem("q", wide)], [("r", len(prompt) - 9)])
     call(group, "finish", "p")
     tables = ray.get([shard.block_tables.remote() for shard in group._shards])
     assert tables[0] == tables[1] and set(tables[0]) == {"q", "r"}
@@ -153,9 +155,10 @@ def test_a_verifier_error_reaches_every_rank_and_the_group_goes_on(model):
     """Only rank 0 runs the verifier: its error must be broadcast, or rank 1 would wait forever. It
     comes back as that request's RequestFailed (the request fails alone; the ranks' caches agree)."""
     case, groups = model
-    call(groups[2], "start", [("bad", case.prompt, SamplingParams(temperature=1.0, seed=0, rule="rejection"))])
+    sampled = SamplingParams(temperature=1.0, seed=0, rule="rejection")
+    call(groups[2], "start", [AdmitItem(request_id="bad", tokens=case.prompt, sampling=sampled)])
     malformed = DraftTree.chain(case.prompt[-1], [50], draft_probs=torch.full((2, 5), 0.2))  # 5-token q
-    (failed,) = call(groups[2], "verify", [("bad", malformed)])
+    (failed,) = call(groups[2], "verify", [VerifyItem("bad", malformed)]).results
     assert isinstance(failed, RequestFailed) and "IndexError" in failed.reason
     call(groups[2], "finish", "bad")
     assert greedy_decode(groups[2], "after", case.prompt, 2) == greedy_decode(groups[1], "after", case.prompt, 2)
@@ -187,8 +190,8 @@ def test_a_shard_starts_in_two_steps_and_a_world_of_one_needs_no_rendezvous(tiny
     with socket.socket() as listener:
         listener.bind(("", port))  # free on every address of this node
     shard.join("127.0.0.1", 0)
-    shard.start([("r", [1, 2, 3], SamplingParams())])
-    assert len(shard.verify([("r", DraftTree.root_only(3))])[0].new_tokens) == 1
+    shard.start([AdmitItem(request_id="r", tokens=[1, 2, 3], sampling=SamplingParams())])
+    assert len(shard.verify([VerifyItem("r", DraftTree.root_only(3))]).results[0].new_tokens) == 1
 
 
 def test_a_rank_loads_contiguous_weights_and_strided_ones_still_project_right(tiny_model_dir):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from actors.messages import AdmitItem, VerifyItem
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
 from speculators.proposers.base import DraftRequest
@@ -65,9 +66,10 @@ def test_the_draft_model_samples_with_a_generator_on_its_logits_device(tiny_mode
 def test_the_target_verifies_with_a_generator_on_its_model_device(tiny_model, generator_devices):
     model, _ = tiny_model
     worker = TargetWorker(model, 2, 64)
-    worker.start([("sampled", [1, 2, 3], SAMPLED), ("greedy", [4, 5], SamplingParams())])
+    worker.start([AdmitItem(request_id="sampled", tokens=[1, 2, 3], sampling=SAMPLED),
+                  AdmitItem(request_id="greedy", tokens=[4, 5], sampling=SamplingParams())])
     assert generator_devices == [model.device]  # greedy requests draw nothing
-    results = worker.verify([("sampled", DraftTree.chain(3, [9, 4]))])
+    results = worker.verify([VerifyItem("sampled", DraftTree.chain(3, [9, 4]))]).results
     assert all(isinstance(token, int) for token in results[0].new_tokens)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from actors.draft_worker import DraftWorker
+from actors.messages import AdmissionRefused
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
 from cluster.engine.build import local_engine
@@ -235,7 +236,7 @@ def test_drafted_by_position_counts_tokens_and_passes_count_per_request(tiny_mod
 class DeadTarget:
     """What a killed shard looks like to the engine: every call fails."""
 
-    def submit(self, method, *args):
+    def submit(self, method, *args, **kwargs):
         future: Future = Future()
         future.set_exception(RuntimeError("The actor died unexpectedly before finishing this task."))
         return future
@@ -260,10 +261,10 @@ def test_a_prefill_the_worker_refuses_fails_only_its_requests(tiny_model, plain)
     worker = TargetWorker(tiny_model[0], 4, 256)
     real_start = worker.start
 
-    def start(batch, *args):
-        if any(request_id == "r1" for request_id, *_ in batch):
-            raise ValueError("request 'r1' refused")
-        return real_start(batch, *args)
+    def start(batch, **kwargs):
+        if any(item.request_id == "r1" for item in batch):
+            raise AdmissionRefused("request 'r1' refused")
+        return real_start(batch, **kwargs)
 
     worker.start = start
     engine = SpecEngine(LocalWorker(worker), IdTokenizer(), [], CONFIG.model_copy(update={"max_sequences": 1}),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from actors.messages import AdmitItem
 from actors.target_worker import TargetWorker
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
@@ -105,7 +106,8 @@ def test_the_hybrid_drafts_from_suffix_decoding_where_the_text_repeats_and_from_
     hybrid = HybridProposer(SuffixProposer(), head_proposer("eagle3", model))
     target = TargetWorker(model, max_sequences=2, max_len=64, hidden_layers=hybrid.hidden_layers)
     prompts = {"repeats": [5, 6, 7, 8, 9] * 4, "fresh": [11, 12, 13, 14, 15]}
-    rows = target.start([(name, tokens, SamplingParams()) for name, tokens in prompts.items()]).hidden
+    rows = target.start([AdmitItem(request_id=name, tokens=tokens, sampling=SamplingParams())
+                         for name, tokens in prompts.items()]).hidden
     requests = [DraftRequest(name, tokens, 6, 16, hidden=TargetHidden(0, rows[name])) for name, tokens in prompts.items()]
     alone = SuffixProposer().propose(requests)
     assert expected_accepted(alone[0]) >= 1.0 > expected_accepted(alone[1])
@@ -124,7 +126,8 @@ def test_the_hybrid_runs_the_head_only_when_it_drafts_and_hands_it_the_rows_it_m
     hybrid.head.propose = lambda requests: asked.append([r.request_id for r in requests]) or propose(requests)
     target = TargetWorker(model, max_sequences=1, max_len=64, hidden_layers=hybrid.hidden_layers)
     tokens = [5, 6, 7, 8, 9] * 4 + [20, 21, 22]
-    rows = target.start([("r", tokens, SamplingParams())]).hidden["r"]  # every committed token's row but the root's
+    admission = target.start([AdmitItem(request_id="r", tokens=tokens, sampling=SamplingParams())])
+    rows = admission.hidden["r"]  # every committed token's row but the root's
     repeat = hybrid.propose([DraftRequest("r", tokens[:20], 6, 16, hidden=TargetHidden(0, rows[:19]))])[0]
     assert expected_accepted(repeat) >= 1.0 and not asked
     fresh = hybrid.propose([DraftRequest("r", tokens, 6, 16, hidden=TargetHidden(19, rows[19:]))])[0]

@@ -1,0 +1,219 @@
+"""The engine's schedule: which requests wait, which run, and what each verification pass carries.
+
+The engine-side fit policy, in one place (the target owns the KV blocks and decides what fits in
+them, actors/block_fit.py; this side only offers, sets back and resumes):
+- At most `max_sequences` requests run. Requests set back with output resume before any waiting
+  request, oldest first; waiting requests start in arrival order.
+- Once the target refuses an admission for want of KV blocks, nothing more is offered until blocks
+  are freed (a request ends or is preempted).
+- A request refused or preempted goes back to the queues with its tokens so far: to `preempted`
+  once it has output, else to the front of `waiting`.
+- Chunked prefill (`prefill_chunk_tokens`): while any request decodes, a pass carries at most that
+  many prompt tokens, in admission order (a pass that holds up streams stays short); while none
+  does, every prompt waiting whole (nobody to hold up).
+- With `pipeline`, the running requests form two micro-batches (a new one joins the smaller),
+  verified in turn.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from actors.messages import Admission, Preempted, PrefillChunk
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.request import GenerationRequest
+from cluster.engine.sequence import ActiveRequest
+from cluster.engine.stats import EngineCounters
+
+
+@dataclass
+class StepPlan:
+    """One pass: its micro-batch, the requests of it that decode, and the prompt chunks it prefills."""
+
+    group: int
+    decoding: list[ActiveRequest]
+    chunks: list[tuple[str, int]]
+    """(request id, prompt tokens) in admission order."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, counters: EngineCounters, vocab_size: int | None,
+                 release: Callable[[ActiveRequest], None]):
+        """`release`: what else forgets a request set back to the queues (its drafters, its hidden states)."""
+        self.config, self.counters, self.vocab_size, self._release = config, counters, vocab_size, release
+        self.waiting: deque[GenerationRequest] = deque()
+        self.preempted: deque[ActiveRequest] = deque()
+        """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
+        self.active: dict[str, ActiveRequest] = {}
+        self.prefilling: dict[str, None] = {}
+        """Admitted requests whose prompts are still being prefilled chunk by chunk, in admission order."""
+        self._room_after_refusal = False
+        """The target refused an admission for want of KV blocks: offer no more until blocks are freed."""
+        self.kv_cache_usage: float | None = None
+        """Fraction of the target's KV blocks held, as its last admission reported (None before one)."""
+        self._next_group = 0
+
+    # ---- queues -------------------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse a request that can never run, with a message naming the field."""
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if not request.prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(request.prompt_ids) >= self.config.max_len:
+            raise ValueError(f"prompt has {len(request.prompt_ids)} tokens; the limit is {self.config.max_len - 1}")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        if request.request_id in self.active or any(r.request_id == request.request_id for r in self.waiting):
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.preempted or self.active)
+
+    @property
+    def decoding(self) -> int:
+        """Requests running past their prefill."""
+        return len(self.active) - len(self.prefilling)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting) + len(self.preempted)
+
+    @property
+    def groups(self) -> int:
+        return 2 if self.config.pipeline else 1
+
+    @property
+    def chunked(self) -> bool:
+        """Whether prompts are prefilled chunk by chunk in verification passes (else whole at admission)."""
+        return self.config.prefill_chunk_tokens is not None
+
+    def withdraw(self, request_id: str) -> ActiveRequest | None:
+        """Take a request out of the queues (an abort); the set-back request it was, if one."""
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        resumable = next((s for s in self.preempted if s.request_id == request_id), None)
+        if resumable is not None:
+            self.preempted.remove(resumable)
+        return resumable
+
+    def drain(self) -> tuple[list[GenerationRequest], list[ActiveRequest]]:
+        """Empty the queues (the target is down): the waiting requests and the set-back ones."""
+        waiting, preempted = list(self.waiting), list(self.preempted)
+        self.waiting.clear()
+        self.preempted.clear()
+        return waiting, preempted
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def offer(self) -> tuple[list[ActiveRequest], list[GenerationRequest]]:
+        """The requests to offer the target now, taken off the queues: set-back ones, then waiting ones."""
+        if self._room_after_refusal:
+            return [], []
+        resumed, admitted = [], []
+        while self.preempted and len(self.active) + len(resumed) < self.config.max_sequences:
+            resumed.append(self.preempted.popleft())
+        while self.waiting and len(self.active) + len(resumed) + len(admitted) < self.config.max_sequences:
+            admitted.append(self.waiting.popleft())
+        return resumed, admitted
+
+    def run(self, states: list[ActiveRequest]) -> None:
+        """Offered requests run, each in the smaller micro-batch, until the target's answer says otherwise."""
+        for state in states:
+            sizes = [sum(1 for s in self.active.values() if s.group == g) for g in range(self.groups)]
+            state.group = sizes.index(min(sizes))
+            self.active[state.request_id] = state
+
+    def admitted(self, admission: Admission) -> None:
+        """The target's answer to an offer: the prompt tokens it held cached, what is left to
+        prefill, and the requests it had no room for (set back, and no more offers until room)."""
+        for request_id, cached in admission.cached_tokens.items():
+            state = self.active[request_id]
+            self.counters.prompt_tokens += len(state.tokens)
+            self.counters.cached_prompt_tokens += cached
+            if not state.output:
+                state.stats.cached_prompt_tokens = cached
+            if self.chunked:
+                state.prefill_left = len(state.tokens) - 1 - cached
+                self.prefilling[request_id] = None
+        if admission.total_blocks:
+            self.kv_cache_usage = 1 - admission.free_blocks / admission.total_blocks
+        for request_id in reversed(admission.refused):
+            self._set_back(self.active[request_id])
+        self._room_after_refusal = bool(admission.refused)
+
+    # ---- passes -------------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        """The next micro-batch's pass: prompts with nothing left to prefill (one token, or all
+        cached) start decoding without one."""
+        group = self._next_group
+        self._next_group = (group + 1) % self.groups
+        chunks = self._next_chunks()
+        if not chunks:
+            self.prefilled([])
+        return StepPlan(group, self.decoding_in(group), chunks)
+
+    def decoding_in(self, group: int) -> list[ActiveRequest]:
+        """The micro-batch's requests whose prompts are in the cache."""
+        return [s for s in self.active.values() if s.group == group and s.request_id not in self.prefilling]
+
+    def _next_chunks(self) -> list[tuple[str, int]]:
+        budget = self.config.prefill_chunk_tokens if self.decoding else sum(self.active[r].prefill_left for r in self.prefilling)
+        chunks = []
+        for request_id in self.prefilling:
+            state = self.active[request_id]
+            count = min(state.prefill_left, budget)
+            if count:
+                chunks.append((request_id, count))
+                budget -= count
+            if count < state.prefill_left:
+                break
+        return chunks
+
+    def prefilled(self, replies: list[PrefillChunk | Preempted]) -> None:
+        """Chunks run (the rest of their prompts counted down, by what the prefix cache gave them
+        too) and prompts the target preempted; prompts with nothing left start decoding."""
+        for reply in replies:
+            state = self.active.get(reply.seq_id)
+            if state is None:
+                continue
+            if isinstance(reply, Preempted):
+                self.preempt(state)
+                continue
+            state.prefill_left -= reply.cached + reply.tokens
+            self.counters.cached_prompt_tokens += reply.cached
+            if not state.output:
+                state.stats.cached_prompt_tokens += reply.cached
+        for request_id in [r for r in self.prefilling if self.active[r].prefill_left <= 0]:
+            self.prefilling.pop(request_id)
+
+    def preempt(self, state: ActiveRequest) -> None:
+        """The KV cache was full: the target freed the request's blocks; it resumes once there is room."""
+        self.counters.preemptions += 1
+        state.stats.preemptions += 1
+        self._set_back(state)
+        self._room_after_refusal = False
+
+    def finished(self, state: ActiveRequest) -> None:
+        """The request ended: its blocks are freed, so offers may resume."""
+        self.active.pop(state.request_id)
+        self.prefilling.pop(state.request_id, None)
+        self._room_after_refusal = False
+
+    def _set_back(self, state: ActiveRequest) -> None:
+        """Return a running request to the queues: what it holds elsewhere is released, its tokens so far stay."""
+        self.active.pop(state.request_id)
+        self.prefilling.pop(state.request_id, None)
+        self._release(state)
+        if state.output:
+            self.preempted.append(state)
+            self.preempted = deque(sorted(self.preempted, key=lambda s: s.started))
+        else:
+            self.waiting.appendleft(state.request)

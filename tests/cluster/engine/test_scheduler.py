@@ -1,0 +1,97 @@
+"""The engine's Scheduler on its own (queues, offers, chunk budgets, set-backs), and the start contract:
+only AdmissionRefused is a refusal; any other error of `start` is a target fault."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from actors.messages import Admission, AdmissionRefused, AdmitItem, PrefillChunk
+from actors.target_worker import CacheOptions, TargetWorker
+from actors.worker import LocalWorker
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.request import GenerationRequest
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec_engine import TARGET_FAILED, SpecEngine
+from cluster.engine.stats import EngineCounters, RequestStats
+from speculators.sampling import SamplingParams
+from tests.conftest import IdTokenizer
+
+
+@dataclass
+class Running:
+    """What the scheduler reads of an ActiveRequest."""
+
+    request: GenerationRequest
+    tokens: list[int]
+    output: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    group: int = 0
+    prefill_left: int = 0
+    started: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def state_of(request: GenerationRequest) -> Running:
+    return Running(request, list(request.prompt_ids))
+
+
+def test_set_back_requests_resume_first_and_a_refusal_stops_offers_until_a_request_ends():
+    released = []
+    scheduler = Scheduler(SchedulerConfig(max_sequences=2, max_len=64), EngineCounters(), None, released.append)
+    for name in "abc":
+        scheduler.add(GenerationRequest(name, [1, 2, 3]))
+    resumed, admitted = scheduler.offer()
+    assert resumed == [] and [r.request_id for r in admitted] == ["a", "b"]
+    states = [state_of(r) for r in admitted]
+    scheduler.run(states)
+    scheduler.admitted(Admission({"a": 0}, ["b"], free_blocks=1, total_blocks=4))
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"] and released == [states[1]]
+    assert scheduler.offer() == ([], []) and scheduler.kv_cache_usage == 0.75
+    scheduler.finished(states[0])
+    assert [r.request_id for r in scheduler.offer()[1]] == ["b", "c"]
+
+
+def test_a_pass_carries_a_chunk_budget_while_requests_decode_and_every_prompt_when_none_does():
+    scheduler = Scheduler(SchedulerConfig(max_sequences=4, max_len=256, prefill_chunk_tokens=8), EngineCounters(), None,
+                          lambda state: None)
+    requests = [GenerationRequest(name, list(range(1, 21))) for name in "ab"]
+    scheduler.run([state_of(r) for r in requests])
+    scheduler.admitted(Admission({"a": 0, "b": 4}, []))
+    plan = scheduler.plan()
+    assert plan.decoding == [] and plan.chunks == [("a", 19), ("b", 15)]  # nobody decodes: every prompt whole
+    scheduler.prefilled([PrefillChunk("a", 0, 19), PrefillChunk("b", 4, 15)])
+    assert scheduler.decoding == 2
+    third = GenerationRequest("c", list(range(1, 31)))
+    scheduler.run([state_of(third)])
+    scheduler.admitted(Admission({"c": 0}, []))
+    assert scheduler.plan().chunks == [("c", 8)]  # two decode: a short pass
+
+
+def test_the_worker_refuses_a_batch_it_can_never_serve(tiny_model):
+    worker = TargetWorker(tiny_model[0], 2, 64, cache=CacheOptions(blocks=2, block_size=4))
+    with pytest.raises(AdmissionRefused, match="empty prompt"):
+        worker.start([AdmitItem(request_id="a", tokens=[], sampling=SamplingParams())])
+    with pytest.raises(AdmissionRefused, match="whole KV cache"):
+        worker.start([AdmitItem(request_id="a", tokens=list(range(1, 20)), sampling=SamplingParams())])
+
+
+def test_a_start_error_that_is_no_refusal_is_a_target_fault(tiny_model):
+    worker, rebuilds = TargetWorker(tiny_model[0], 2, 256), []
+
+    def start(batch, **kwargs):
+        raise ValueError("a shape bug, not a refusal")
+
+    def rebuild():
+        rebuilds.append(1)
+        return LocalWorker(TargetWorker(tiny_model[0], 2, 256))
+
+    worker.start = start
+    engine = SpecEngine(LocalWorker(worker), IdTokenizer(), [], SchedulerConfig(max_sequences=2, max_len=256),
+                        vocab_size=64, rebuild_target=rebuild)
+    outputs = engine.generate([GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=4) for i in range(3)])
+    assert [o.finish_reason for o in outputs] == ["error", "error", "length"]
+    assert all(TARGET_FAILED in o.error for o in outputs[:2]) and rebuilds == [1]
