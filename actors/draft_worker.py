@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from speculators.proposers.base import DraftRequest, Proposer
 from speculators.tree import DraftTree
 
-
 log = logging.getLogger(__name__)
 MAX_PENDING_OUTPUTS = 1024
 """Outputs waiting to be learned; past this the oldest waiting one is dropped (learning fell behind)."""

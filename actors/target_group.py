@@ -21,8 +21,8 @@ from actors.messages import Admission, AdmitItem, PrefillChunk, VerifyItem, Veri
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
-from actors.model.threads import use_cores
 from actors.model.sharding import Communicator, ShardPlan
+from actors.model.threads import use_cores
 from actors.target_worker import CacheOptions, TargetWorker
 from speculators.hidden import PendingHidden
 from speculators.proposers.base import Proposer

@@ -19,7 +19,14 @@ import torch
 
 from actors.block_fit import BlockFit
 from actors.messages import (
-    Admission, AdmissionRefused, AdmitItem, Preempted, PrefillChunk, RequestFailed, VerifyItem, VerifyReply,
+    Admission,
+    AdmissionRefused,
+    AdmitItem,
+    Preempted,
+    PrefillChunk,
+    RequestFailed,
+    VerifyItem,
+    VerifyReply,
 )
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE
 from actors.model.llama import LlamaDecoder

@@ -216,7 +216,8 @@ def check_grpc_message(target: FuzzTarget, data: bytes, request_id: str = "fuzz"
 
 def fuzz(target: FuzzTarget, examples: int, seed: int | None = None) -> None:
     """Run the property over both schemas, `examples` cases each; raises on the first failure."""
-    from hypothesis import HealthCheck, given, seed as fixed_seed, settings
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
     from hypothesis import strategies as st
 
     config = settings(max_examples=examples, deadline=None, database=None,

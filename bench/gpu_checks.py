@@ -27,11 +27,11 @@ from actors.model.timing import finish_queued_work, time_passes
 from actors.target_group import TargetShard
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
-from bench.greedy_agreement import decode, divergence_at, measure_agreement, oracle_drafter
 from bench.gpu_models import RandomModel, Shape, build, save
+from bench.greedy_agreement import decode, divergence_at, measure_agreement, oracle_drafter
+from speculators.keyed import keyed_sample, keyed_uniform
 from speculators.proposers.base import DraftRequest, TreeInput
 from speculators.proposers.draft_model import DraftModelProposer
-from speculators.keyed import keyed_sample, keyed_uniform
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
 from speculators.verify import verify
@@ -272,7 +272,7 @@ def _timed(run: Callable[[], object], device: torch.device) -> tuple[object, flo
 def tokens_per_second(ctx: Context) -> dict:
     """Plain decoding against an oracle drafter (always right): the most tokens per second the
     engine's verification turns perfect acceptance into, batch 1."""
-    results, passed = {}, True
+    results = {}
     new = ctx.sizes.new_tokens
     prompt = ctx.prompt(ctx.sizes.prompt)
     for key in ("1b", "8b"):
@@ -305,7 +305,7 @@ def draft_step(ctx: Context) -> dict:
         for _ in range(max(ctx.sizes.repeats, 1)):
             for request in requests:  # back to all but the last token, which the step then catches up on
                 proposer.on_accept(request.request_id, request.token_ids[:-1])
-            _, seconds = _timed(lambda: proposer.propose(requests), ctx.device)
+            _, seconds = _timed(lambda proposer=proposer: proposer.propose(requests), ctx.device)
             samples.append(seconds)
         label = f"batch {batch}" + (", cuda graphs" if graphs else "")
         results[label] = {"ms_per_proposal": 1e3 * min(samples), "ms_per_depth": 1e3 * min(samples) / 4,
@@ -325,9 +325,9 @@ def cuda_graphs(ctx: Context) -> dict:
         for label, graphs in (("eager", False), ("cuda graphs", True)):
             worker = TargetWorker(ctx.model(key).decoder, 1, max_len, cuda_graphs=graphs)
             decode(worker, prompt, 4)  # warm-up
-            plain, plain_s = _timed(lambda: decode(worker, prompt, new), ctx.device)
+            plain, plain_s = _timed(lambda worker=worker: decode(worker, prompt, new), ctx.device)
             drafter = oracle_drafter(len(prompt), plain.tokens, 4)
-            _, oracle_s = _timed(lambda: decode(worker, prompt, new, drafter), ctx.device)
+            _, oracle_s = _timed(lambda worker=worker: decode(worker, prompt, new, drafter), ctx.device)
             row[label] = {"graphed_sizes": worker.runner.graphed_sizes, "plain_tokens_per_s": new / plain_s,
                           "oracle_depth_4_tokens_per_s": new / oracle_s}
             tokens[label] = plain.tokens
@@ -378,7 +378,7 @@ def paged_cache(ctx: Context) -> dict:
         config = SchedulerConfig(max_sequences=len(prompts), max_len=max_len, block_size=16, step_token_budget=64, **cache)
         engine = local_engine(model, _IdTokenizer(), PromptLookupProposer(max_branches=3), config)
         requests = [GenerationRequest(f"{label}{i}", prompt, max_new_tokens=new) for i, prompt in enumerate(prompts)]
-        (outputs, seconds) = _timed(lambda: engine.generate(requests), ctx.device)
+        outputs, seconds = _timed(lambda engine=engine: engine.generate(requests), ctx.device)
         tokens[label] = [o.token_ids for o in outputs]
         results[label] = {
             "seconds": seconds, "accepted": sum(o.stats.accepted for o in outputs),

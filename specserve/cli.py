@@ -108,8 +108,21 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench import (busy_neighbour, cluster_bench, cost_curve, draft_pool_bench, fuzz, grammar_engines, kv_bench,
-                       path_cost, ray_overhead, serve_bench, side_by_side, soak, specbench)
+    from bench import (
+        busy_neighbour,
+        cluster_bench,
+        cost_curve,
+        draft_pool_bench,
+        fuzz,
+        grammar_engines,
+        kv_bench,
+        path_cost,
+        ray_overhead,
+        serve_bench,
+        side_by_side,
+        soak,
+        specbench,
+    )
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
     from specserve import train

@@ -12,7 +12,6 @@ import torch
 
 from speculators import keyed
 
-
 MIN_TEMPERATURE = 1e-5
 """Below this, logits / temperature overflows to infinity and the warped distribution is NaN."""
 

@@ -21,7 +21,6 @@ from actors.model.fused import JointProjection, stack_in_place
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from actors.model.sharding import Communicator, ShardPlan
 
-
 SMALL_ROWS = 4
 """Up to this many rows, a CPU product runs as `(W @ x.T).T` (see `project`)."""
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.model.batch import Segment
 from actors.model.block_pool import BlockPool
+from actors.model.cuda_graphs import GraphedForward
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
 from actors.model.kv_manager import KVCacheManager
-from actors.model.batch import Segment
-from actors.model.cuda_graphs import GraphedForward
 from actors.model.llama import LlamaDecoder
 from actors.model.threads import follow_load
 from speculators.proposers.base import TreeInput

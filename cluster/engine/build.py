@@ -9,15 +9,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from actors.draft_worker import DraftWorker
-from actors.model.llama import LlamaDecoder, layer_skip_draft
 from actors.model.heads import head_proposer, resolve_head
+from actors.model.llama import LlamaDecoder, layer_skip_draft
 from actors.model.loader import load_config, load_model, load_tokenizer, resolve_model
 from actors.model.runner import ModelRunner
 from actors.model.threads import available_cores
 from actors.target_worker import TargetWorker
 from actors.worker import LocalWorker
 from cluster.engine.config import HEAD_METHODS, EngineConfig, SchedulerConfig
-from cluster.engine.cost import CostCurve, cache_key, measure as measure_cost
+from cluster.engine.cost import CostCurve, cache_key
+from cluster.engine.cost import measure as measure_cost
 from cluster.engine.request import GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
 from speculators.lookahead import LookaheadConfig

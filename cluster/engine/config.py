@@ -13,11 +13,11 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from actors.model.config import DecoderConfig
 from actors.model.kv_cache import KVCache
-from actors.target_worker import CacheOptions
-
 from actors.model.loader import DEFAULT_MODEL
+from actors.target_worker import CacheOptions
 from speculators.lookahead import LookaheadConfig
-from speculators.proposers import prompt_lookup as pld, suffix
+from speculators.proposers import prompt_lookup as pld
+from speculators.proposers import suffix
 
 Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")

@@ -23,11 +23,17 @@ from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
+from cluster.engine.request import GenerationRequest
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
-from cluster.engine.request import GenerationRequest
 from cluster.serve.grpc_api import (
-    WorkerFailed, checked, chunk_message, metadata_value, options_from, response_message, status_of,
+    WorkerFailed,
+    checked,
+    chunk_message,
+    metadata_value,
+    options_from,
+    response_message,
+    status_of,
 )
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.models import ServedModels

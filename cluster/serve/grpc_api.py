@@ -14,6 +14,7 @@ from cluster.serve.service import InvalidRequest, Overloaded, RequestOptions, Sp
 from protos import specserve_pb2 as pb
 from speculators.logprobs import TokenLogprob
 
+
 @dataclass
 class UndecodableRequest:
     """Handed to a method in place of a request whose bytes do not parse (invalid UTF-8 in a string

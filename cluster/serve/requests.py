@@ -28,7 +28,6 @@ from speculators.lookahead import LookaheadConfig
 from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams
 
-
 DEFAULT_MAX_NEW_TOKENS = 128
 TENANT_HEADER = "x-specserve-tenant"
 """The HTTP header (gRPC metadata key) naming a request's tenant, read only with `limits.tenant_from` header."""

@@ -14,12 +14,17 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from cluster.engine.loop import EngineLoop, least_loaded, stream as loop_stream
+from cluster.engine.loop import EngineLoop, least_loaded
+from cluster.engine.loop import stream as loop_stream
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import StepEvent
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.requests import (  # noqa: F401  (front ends and tests import these from here)
-    InvalidRequest, RequestBuilder, RequestOptions, SpeculationOptions, StructuredOutput,
+    InvalidRequest,
+    RequestBuilder,
+    RequestOptions,
+    SpeculationOptions,
+    StructuredOutput,
 )
 from cluster.serve.samples import Samples
 from speculators.lookahead import LookaheadConfig

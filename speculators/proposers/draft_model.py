@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
 from speculators.penalties import PenaltyContext, penalize
+from speculators.proposers.base import DraftRequest, Proposer, TreeInput, TreeModel
 from speculators.sampling import DraftNoise, tree_draft_probs, warp
 from speculators.tree import DraftTree, chain_parents
 

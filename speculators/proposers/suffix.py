@@ -27,7 +27,6 @@ from speculators.proposers.continuations import best_first_tree, merge_trees
 from speculators.proposers.prompt_lookup import MAX_OCCURRENCES, NgramIndex
 from speculators.tree import DraftTree
 
-
 MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, MAX_CACHED_TOKENS = 24, 4.0, 0.1, 65536
 """Defaults (the serving defaults read them too): vLLM's tree depth and probability floor; a spec
 factor of 4 measured best here once the planner trims what does not pay."""
