@@ -1,4 +1,5 @@
-"""No import circle, and the layers' arrows point one way: speculators <- actors <- cluster.
+"""The layout's rules: no import circle, the layers' arrows point one way (speculators <- actors <-
+cluster), and no module of theirs over MAX_MODULE_LINES lines.
 
 The graph is read from the sources (ast), so that check imports nothing. Every import statement
 counts, in a function too: an import moved into a function to dodge a circle still closes it when
@@ -9,10 +10,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("speculators", "actors", "cluster")
 MUST_NOT_IMPORT = {"speculators": ("ray", "actors", "cluster"), "actors": ("cluster",)}
 """What each layer must never import (the top-level package of an import)."""
+MAX_MODULE_LINES = 450
+"""A module past this does more than one job: split it by job, not by line count."""
 
 
 def project_modules() -> dict[str, Path]:
@@ -119,3 +122,9 @@ def test_layers_point_one_way():
              for name in imported(module, path, typing_too=True)
              if name.split(".")[0] in MUST_NOT_IMPORT.get(module.split(".")[0], ())]
     assert not wrong, wrong
+
+
+def test_no_module_of_the_layers_is_too_long():
+    long = {module: lines for module, path in project_modules().items()
+            if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
