@@ -7,7 +7,7 @@ config that asks for more GPUs than the Ray cluster can ever have (its placement
 forever without saying why). So:
 
 - every document under k8s/ is validated against the KubeRay CRD of its kind and apiVersion
-  (../shared/kuberay-crds, the operator's own OpenAPI schemas), strictly: unknown fields are errors,
+  (tests/data/kuberay-crds, the operator's own OpenAPI schemas), strictly: unknown fields are errors,
   as with `kubectl apply --validate=strict`;
 - every Serve config (configs/*.yaml and each RayService's serveConfigV2) is validated with Ray
   Serve's own schema, its application args with the project's pydantic models, and its GPU and CPU
@@ -42,7 +42,7 @@ from cluster.serve.service import ServiceLimits
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
 CONFIG_DIR = REPO / "configs"
-CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
+CRD_DIR = Path(__file__).resolve().parent / "data" / "kuberay-crds"
 GPU_EXAMPLE = CONFIG_DIR / "gpu-llama3-8b-tp2-draft1b.yaml"
 IMPORT_PATH = "cluster.serve.app:build_app"
 ROUTER = "SpecServer"
@@ -166,8 +166,6 @@ def validator(api_version: str, kind: str) -> Draft7Validator:
     A version the CRD no longer serves, or marks deprecated (ray.io/v1alpha1), is refused here:
     the manifest would be converted or rejected by the API server.
     """
-    if not CRD_DIR.is_dir():
-        pytest.skip(f"KubeRay CRDs not found at {CRD_DIR}")
     group, _, version = api_version.rpartition("/")
     versions = crd_versions().get((group, kind))
     assert versions, f"no CRD for kind {kind!r} of group {group!r} in {CRD_DIR}"
