@@ -105,8 +105,8 @@ def environment(ctx: Context) -> dict:
             "eagle3_head": "none in the code base at this commit: the draft check runs a draft model only"}
     if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(ctx.device)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
     return info
 
 
@@ -135,7 +135,8 @@ def logits_vs_transformers(ctx: Context) -> dict:
             clear = top2[:, 0] - top2[:, 1] > 2 * error.max(-1).values  # rounding cannot swap these
             results[f"{key}/{backend}"] = {"relative_max_diff": relative, "top1_agreement": float(same.float().mean()),
                                            "clear_positions": int(clear.sum()),
-                                           "top1_agreement_where_clear": float(same[clear].float().mean()) if clear.any() else None}
+                                           "top1_agreement_where_clear":
+                                               float(same[clear].float().mean()) if clear.any() else None}
             passed &= relative <= tolerance and bool(same[clear].all())
         model.decoder.backend = get_backend("sdpa")
     return {"pass": passed, "tolerance": tolerance, "results": results}
@@ -175,9 +176,10 @@ def _verifier_first_tokens(ctx: Context, p: torch.Tensor, q: torch.Tensor, trial
 
 
 def sampling_with_a_device_generator(ctx: Context) -> dict:
-    """The rejection rule (unseeded requests; seeded here to repeat). The sampled verifier on the device with a device generator and draft rows from the CPU:
-    its first tokens follow the target's p (chi-square); then a draft model and the target on the
-    same device draft and verify a sampled request end to end."""
+    """The rejection rule (unseeded requests; seeded here to repeat). The sampled verifier on the
+    device with a device generator and draft rows from the CPU: its first tokens follow the target's
+    p (chi-square); then a draft model and the target on the same device draft and verify a sampled
+    request end to end."""
     from scipy.stats import chisquare
 
     torch.manual_seed(0)

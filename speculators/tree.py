@@ -61,8 +61,9 @@ class DraftTree:
     shared by siblings that were drawn without replacement in index order. None means the children
     were chosen deterministically (prompt lookup, greedy top-k) or that the request is keyed (its
     verifier keeps a token exactly when it is the target's own sample, speculators.keyed): the
-    rejection rule then treats each child as a point-mass proposal, which keeps sampling lossless. `confidence[i]` is the drafter's own
-    probability of node i (for stats and lookahead), or None when the drafter has none.
+    rejection rule then treats each child as a point-mass proposal, which keeps sampling lossless.
+    `confidence[i]` is the drafter's own probability of node i (for stats and lookahead), or None
+    when the drafter has none.
     """
 
     token_ids: list[int]

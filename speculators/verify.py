@@ -4,12 +4,12 @@ Pure functions over a DraftTree and the target's logits at every tree node (row 
 next-token logits after node i). Greedy keeps the longest path whose every token is the target's
 argmax. The keyed rule (seeded requests, speculators.keyed) does the same with the token the
 target samples at each position from noise keyed by the seed and the position: the output is the
-target's own sample whatever was drafted. Otherwise sampling walks from the root with recursive rejection sampling: child x of a node is
-accepted with probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)) and q
-loses x (siblings were drawn without replacement), and the next sibling is tried; when every child
-fails, the token is drawn from what is left of p. At a leaf the bonus token is drawn from p.
-The output distribution is exactly the target's (SpecInfer, EAGLE; Jeon et al. 2024 for the
-without-replacement form).
+target's own sample whatever was drafted. Otherwise sampling walks from the root with recursive
+rejection sampling: child x of a node is accepted with probability min(1, p(x) / q(x)); on rejection
+p becomes norm(max(p - q, 0)) and q loses x (siblings were drawn without replacement), and the next
+sibling is tried; when every child fails, the token is drawn from what is left of p. At a leaf the
+bonus token is drawn from p. The output distribution is exactly the target's (SpecInfer, EAGLE; Jeon
+et al. 2024 for the without-replacement form).
 """
 from __future__ import annotations
 

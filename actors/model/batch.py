@@ -79,8 +79,8 @@ class PackedBatch:
     def sequences(self) -> list[SequenceView]:
         views, offset = [], 0
         for segment in self.segments:
-            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.blocks, self.cache.runs(segment.blocks, segment.end),
-                                      segment.end, segment.mask, segment.prefix))
+            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.blocks,
+                                      self.cache.runs(segment.blocks, segment.end), segment.end, segment.mask, segment.prefix))
             offset += segment.num_tokens
         return views
 

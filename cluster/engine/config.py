@@ -63,9 +63,11 @@ class SchedulerConfig(BaseModel):
         None, ge=0, description="a fixed number of drafted tokens per step for the whole micro-batch, shared "
         "equally; null (the default) lets the planner size every request's draft from the target's measured "
         "cost curve and the acceptance it has seen (goodput-based, down to no speculation)")
-    pipeline: bool = Field(False, description="split requests into two micro-batches so one is drafted while the other is verified")
+    pipeline: bool = Field(
+        False, description="split requests into two micro-batches so one is drafted while the other is verified")
     min_acceptance: float = Field(
-        0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
+        0.1, ge=0, le=1,
+        description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
     gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
     gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
     draft_timeout_s: float = Field(
@@ -147,7 +149,8 @@ class EngineConfig(SchedulerConfig):
     suffix_decoding_max_spec_factor: float = Field(
         suffix.MAX_SPEC_FACTOR, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
     suffix_decoding_min_token_prob: float = Field(
-        suffix.MIN_TOKEN_PROB, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
+        suffix.MIN_TOKEN_PROB, ge=0, le=1,
+        description="suffix decoding: draft nodes whose estimated path probability is at least this")
     suffix_decoding_max_cached_tokens: int = Field(
         suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor, all "
         "cache scopes together (oldest evicted)")

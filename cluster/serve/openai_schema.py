@@ -167,7 +167,8 @@ def _response_format(value) -> dict | None:
     """OpenAI's response_format as a StructuredOutput (None for text)."""
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
         raise InvalidRequest("response_format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                                                "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+                                                "{\"type\": \"json_schema\", "
+                                                "\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
