@@ -4,8 +4,9 @@ A pass runs the new tokens of several sequences laid end to end (no padding in t
 Attention sees them one of two ways:
 - per sequence (`sequences`): each sequence's queries against views of its own cache blocks (one
   view per run of adjacent blocks, usually one), under its own mask: no copy of any cache and no
-  padding. This is the CPU path: at 16 sequences of ~1,000 positions, gathering their caches into
-  one padded block cost ~7 ms a layer against ~0.8 ms for the whole loop.
+  padding. This is the CPU path: for many long sequences, gathering their caches into one padded
+  block cost several times the whole loop a layer (figures: docs/benchmarks.md,
+  "Measurements behind the code").
 - padded (`queries`, `read`, `mask`, `outputs`): the batch regrouped into one [sequences, new
   tokens, positions] block, so every layer makes one cache read and one attention call (a GPU,
   where a kernel launch per sequence is the dearer part). Built on first use only.

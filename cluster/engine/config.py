@@ -28,10 +28,9 @@ DEFAULT_KV_SEQUENCES = 8
 earlier releases (which decoded 8 requests at once)."""
 DEFAULT_DRAFT_WIDTH = {"eagle3": 4}
 """Widths measured best on Spec-Bench; a method not named drafts one branch. eagle3: EAGLE-2's tree of
-width 4 made 1.09x against the chain's 1.05x on the 240 questions (bench/results/specbench-heads-240.md),
-and under the planner, once it learned each depth's reach rather than counting siblings as failed
-tries, 1.08x against 0.98x on 18; behind suffix decoding it drafts 1.96 tokens a pass against the
-chain's 1.71 (1.42x against 1.36x on 18)."""
+width 4 beat the chain alone, under the planner (once it learned each depth's reach rather than
+counting siblings as failed tries) and behind suffix decoding (figures: docs/benchmarks.md,
+"Measurements behind the code")."""
 
 
 class SchedulerConfig(BaseModel):
