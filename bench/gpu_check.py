@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "seconds": 0.0, "checks": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
-        ctx = Context(device, torch.float32 if args.cpu_dry_run else torch.bfloat16,
-                      CPU_SHAPES if args.cpu_dry_run else GPU_SHAPES,
-                      DRY_RUN_SIZES if args.cpu_dry_run else GPU_SIZES, Path(workdir))
+        ctx = Context(device=device, dtype=torch.float32 if args.cpu_dry_run else torch.bfloat16,
+                      shapes=CPU_SHAPES if args.cpu_dry_run else GPU_SHAPES,
+                      sizes=DRY_RUN_SIZES if args.cpu_dry_run else GPU_SIZES, workdir=Path(workdir))
         for name in args.only or CHECKS:
             left = budget - (time.perf_counter() - started)
             record = run_check(name, ctx, left) if left > 1 else {"status": "skipped", "reason": "time budget spent",

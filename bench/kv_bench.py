@@ -98,8 +98,8 @@ class Client:
         if not arrivals:
             raise RuntimeError("a stream ended without tokens")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return Reply(text, usage.get("completion_tokens", 0), arrivals[0] - began, time.perf_counter() - began,
-                     cached, arrivals)
+        return Reply(text=text, tokens=usage.get("completion_tokens", 0), first_token_s=arrivals[0] - began,
+                     seconds=time.perf_counter() - began, cached_tokens=cached, arrivals=arrivals)
 
     def wave(self, conversations: list[list[dict]], max_tokens: int, setting: str,
              in_flight: int | None = None) -> tuple[list[Reply], float]:

@@ -89,7 +89,8 @@ class DraftTree:
 
     @classmethod
     def chain(cls, root: int, tokens: Sequence[int], draft_probs=None, confidence=None) -> "DraftTree":
-        return cls([root, *tokens], chain_parents(len(tokens) + 1), draft_probs, confidence)
+        return cls(token_ids=[root, *tokens], parents=chain_parents(len(tokens) + 1), draft_probs=draft_probs,
+                   confidence=confidence)
 
     @classmethod
     def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> "DraftTree":

@@ -80,8 +80,9 @@ class PackedBatch:
     def sequences(self) -> list[SequenceView]:
         views, offset = [], 0
         for segment in self.segments:
-            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.blocks,
-                                      self.cache.runs(segment.blocks, segment.end), segment.end, segment.mask, segment.prefix))
+            views.append(SequenceView(rows=slice(offset, offset + segment.num_tokens), blocks=segment.blocks,
+                                      runs=self.cache.runs(segment.blocks, segment.end), end=segment.end,
+                                      mask=segment.mask, prefix=segment.prefix))
             offset += segment.num_tokens
         return views
 

@@ -251,7 +251,8 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     if stream and len(samples.requests) > samples.n:
         raise InvalidRequest("best_of", "cannot be streamed (the best samples are known only at the end); "
                                         "drop stream or best_of")
-    return Call(service, samples, stream, include_usage, fields["logprobs"] is not None)
+    return Call(service=service, samples=samples, stream=stream, include_usage=include_usage,
+                logprobs=fields["logprobs"] is not None)
 
 
 # ---- responses ---------------------------------------------------------------------------------
