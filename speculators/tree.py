@@ -68,7 +68,7 @@ class DraftTree:
 
     token_ids: list[int]
     parents: list[int]
-    draft_probs: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None  # [N, vocab] (the root's row unused)
     confidence: list[float] | None = None
     _children: list[list[int]] | None = field(default=None, repr=False, compare=False)
 

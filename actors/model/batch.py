@@ -53,7 +53,7 @@ class SequenceView:
     blocks: Sequence[int]
     runs: list[tuple[int, int, int]]
     end: int
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None  # the segment's: [its new tokens, end]
     prefix: int
     for_every_layer: dict = field(default_factory=dict)
     """What attention derives from the view once and reuses in every layer of the pass."""

@@ -100,6 +100,8 @@ class Attention(nn.Module):
         self.qkv = JointProjection((self.q_proj, self.k_proj, self.v_proj), project)
 
     def forward(self, x, cos, sin, layer: int, batch: PackedBatch, cache: KVCache, backend: AttentionBackend):
+        """x [tokens, hidden], cos/sin [tokens, head_dim] -> [tokens, hidden] (this rank's heads' part,
+        which the decoder all-reduces)."""
         tokens = x.shape[0]
         q, k, v = self.qkv(x)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
@@ -197,12 +199,13 @@ class LlamaDecoder(nn.Module):
         return self.comm.all_reduce(hidden * inside[:, None].to(hidden.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits of final hidden states (gathered across ranks)."""
+        """Full-vocabulary logits [rows, vocab] of final hidden states [rows, hidden] (gathered across ranks)."""
         return self.comm.all_gather_last_dim(project(hidden, self.head_weight()))
 
     def likeliest(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax token of each final hidden state, as `logits(hidden).argmax(-1)` gives it (the
-        first of equal maxima), with only each rank's best (value, token) gathered across ranks."""
+        """The argmax token of each final hidden state ([rows, hidden] -> [rows]), as
+        `logits(hidden).argmax(-1)` gives it (the first of equal maxima), with only each rank's best
+        (value, token) gathered across ranks."""
         local = project(hidden, self.head_weight())
         if self.comm.world_size == 1:
             return local.argmax(-1)
@@ -221,8 +224,10 @@ class LlamaDecoder(nn.Module):
     ) -> torch.Tensor | None:
         """Run the packed new tokens of `segments`, writing their K/V into `cache`.
 
-        Returns the normed final hidden states of `logit_rows` (indices into the packed tokens),
-        or None when no row is asked for (a prefill skips the last MLP and the LM head).
+        `input_ids` and `positions` [tokens]: the segments' new tokens end to end, and each one's
+        position in its sequence. Returns the normed final hidden states [len(logit_rows), hidden] of
+        `logit_rows` (indices into the packed tokens), or None when no row is asked for (a prefill
+        skips the last MLP and the LM head).
         """
         return self.forward_capturing(input_ids, positions, segments, cache, logit_rows)[0]
 

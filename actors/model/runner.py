@@ -115,6 +115,8 @@ class ModelRunner:
         return scratch.mask[old:], scratch.depths[old:]
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        """TreeModel.forward: per input, float32 logits [n, vocab] ("all"; [1, vocab] for "last"),
+        token ids [n] ("argmax"), or None."""
         return self.forward_capturing(inputs)[0]
 
     def forward_capturing(

@@ -121,6 +121,7 @@ class SplitBackend:
         return self._last[1]
 
     def attend(self, q: torch.Tensor, batch: PackedBatch, cache: KVCache, layer: int) -> torch.Tensor:
+        """q [tokens, heads, d] -> [tokens, heads * d], as AttentionBackend.attend."""
         layout = self._layout(batch)
         query = batch.queries(q)
         tree = batch.storage.gather(1, layout.tree_positions)
