@@ -9,10 +9,11 @@ time.
 
 Finished outputs are learned (suffix decoding's index of earlier outputs) in `release`, or, with
 `learn_in_background`, on a thread of the worker's own, in short steps taken only while no call of
-the worker runs or waits: a `propose` waits for at most one step (~0.1 ms) instead of the whole
-learning of the outputs released before it. A step pauses the learner briefly so that a call
-waiting for the interpreter lock gets it (without the pause a call waited a switch interval, 5 ms,
-behind the learner). `flush` waits until everything released is learned (tests, benchmarks).
+the worker runs or waits: a `propose` waits for at most one short step instead of the whole learning
+of the outputs released before it. A step pauses the learner briefly so that a call waiting for the
+interpreter lock gets it (without the pause a call waited a whole switch interval behind the
+learner; figures: docs/benchmarks.md, "Measurements behind the code"). `flush` waits until
+everything released is learned (tests, benchmarks).
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ class Admission:
     cached_tokens: dict[str, int]
     refused: list[str]
     hidden: dict[str, torch.Tensor] | None = None
+    """Per admitted request, the prefilled tokens' rows: [prefilled tokens, len(hidden_layers) x hidden]."""
     free_blocks: int = 0
     """Blocks free or cached and unheld after the admission, of `total_blocks`."""
     total_blocks: int = 0
@@ -71,6 +72,7 @@ class PrefillChunk:
     """Prompt tokens found in the prefix cache just before it (filled meanwhile by another prompt
     with the same prefix) and not run: the prompt advanced by `cached + tokens`."""
     hidden: torch.Tensor | None = None
+    """The chunk's rows: [tokens, len(hidden_layers) x hidden]."""
 
 
 @dataclass

@@ -139,7 +139,8 @@ class TargetWorker:
         the same pass. Requests the trees leave no room for are preempted (BlockFit)."""
         preempted = self._make_room(batch)
         items = [item for item in batch if item.request_id not in preempted]
-        inputs = [TreeInput(item.request_id, item.tree.token_ids, item.tree.parents, self._wanted(item.request_id, item.shaping))
+        inputs = [TreeInput(seq_id=item.request_id, token_ids=item.tree.token_ids, parents=item.tree.parents,
+                            logits=self._wanted(item.request_id, item.shaping))
                   for item in items]
         chunks, cached, filling = [], [], set()
         for seq_id, count in prefill:
@@ -189,8 +190,8 @@ class TargetWorker:
             self.runner.commit(chunk.seq_id, range(len(chunk.token_ids)))
             if start + len(chunk.token_ids) == len(self._prompts[chunk.seq_id]):
                 del self._prompts[chunk.seq_id]
-            done.append(PrefillChunk(chunk.seq_id, start, len(chunk.token_ids), found,
-                                     rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
+            done.append(PrefillChunk(seq_id=chunk.seq_id, start=start, tokens=len(chunk.token_ids), cached=found,
+                                     hidden=rows.to(self.hidden_dtype) if self._sends_hidden and rows is not None else None))
         return done
 
     def _make_room(self, items: Sequence[VerifyItem]) -> list[str]:

@@ -30,8 +30,8 @@ def tell(worker: Worker, method: str, *args: Any) -> None:
 class LocalWorker:
     """A worker in this process. Its calls run in the caller's thread, already done when `submit`
     returns: torch's OpenMP thread pools belong to the thread that uses them, and on a CPU a second
-    thread that has ever run torch work slows both (measured here: a decode step of the default
-    target takes 22 ms on one thread and 44 ms once the model was loaded or run on another). With
+    thread that has ever run torch work slows both (a decode step of the model loaded or run on
+    another thread is much slower; figures: docs/benchmarks.md, "Measurements behind the code"). With
     `threaded`, calls run in order on a thread of their own instead, so a hung worker cannot block
     its caller (what the engine's timeouts are tested with)."""
 

@@ -77,7 +77,8 @@ def json_values():
     st = _strategies()
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
                         st.text(max_size=20), st.sampled_from(SURROGATES))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    return st.recursive(scalars,
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                         max_leaves=8)
 
 

@@ -4,11 +4,12 @@ Random-weight Llama-family models are built on the GPU (bench/gpu_models.py) and
 bench/gpu_checks.py run one after another: logits against transformers, greedy losslessness of
 tree verification in bf16, sampling with a device generator, the cost of verification passes,
 tokens/s with an oracle drafter and plainly, a draft model's step, CUDA graphs against eager
-passes, and a TP=1 shard with a draft worker on the same GPU. Each check is isolated (its error is recorded and the next one runs) and
-the whole run keeps to a time budget (a check still running when it is spent is interrupted).
-Results go to DIR as JSON and a short Markdown table, rewritten after every check so that a run
-cut short still leaves what it measured. `--cpu-dry-run` runs the same checks on tiny shapes on
-the CPU (the test suite does); bench/gpu_check.sh is the one command for a GPU machine.
+passes, and a TP=1 shard with a draft worker on the same GPU. Each check is isolated (its error is
+recorded and the next one runs) and the whole run keeps to a time budget (a check still running when
+it is spent is interrupted). Results go to DIR as JSON and a short Markdown table, rewritten after
+every check so that a run cut short still leaves what it measured. `--cpu-dry-run` runs the same
+checks on tiny shapes on the CPU (the test suite does); bench/gpu_check.sh is the one command for a
+GPU machine.
 """
 from __future__ import annotations
 
@@ -147,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "seconds": 0.0, "checks": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
-        ctx = Context(device, torch.float32 if args.cpu_dry_run else torch.bfloat16,
-                      CPU_SHAPES if args.cpu_dry_run else GPU_SHAPES,
-                      DRY_RUN_SIZES if args.cpu_dry_run else GPU_SIZES, Path(workdir))
+        ctx = Context(device=device, dtype=torch.float32 if args.cpu_dry_run else torch.bfloat16,
+                      shapes=CPU_SHAPES if args.cpu_dry_run else GPU_SHAPES,
+                      sizes=DRY_RUN_SIZES if args.cpu_dry_run else GPU_SIZES, workdir=Path(workdir))
         for name in args.only or CHECKS:
             left = budget - (time.perf_counter() - started)
             record = run_check(name, ctx, left) if left > 1 else {"status": "skipped", "reason": "time budget spent",

@@ -105,8 +105,8 @@ def environment(ctx: Context) -> dict:
             "eagle3_head": "none in the code base at this commit: the draft check runs a draft model only"}
     if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(ctx.device)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
     return info
 
 
@@ -135,7 +135,8 @@ def logits_vs_transformers(ctx: Context) -> dict:
             clear = top2[:, 0] - top2[:, 1] > 2 * error.max(-1).values  # rounding cannot swap these
             results[f"{key}/{backend}"] = {"relative_max_diff": relative, "top1_agreement": float(same.float().mean()),
                                            "clear_positions": int(clear.sum()),
-                                           "top1_agreement_where_clear": float(same[clear].float().mean()) if clear.any() else None}
+                                           "top1_agreement_where_clear":
+                                               float(same[clear].float().mean()) if clear.any() else None}
             passed &= relative <= tolerance and bool(same[clear].all())
         model.decoder.backend = get_backend("sdpa")
     return {"pass": passed, "tolerance": tolerance, "results": results}
@@ -175,9 +176,10 @@ def _verifier_first_tokens(ctx: Context, p: torch.Tensor, q: torch.Tensor, trial
 
 
 def sampling_with_a_device_generator(ctx: Context) -> dict:
-    """The rejection rule (unseeded requests; seeded here to repeat). The sampled verifier on the device with a device generator and draft rows from the CPU:
-    its first tokens follow the target's p (chi-square); then a draft model and the target on the
-    same device draft and verify a sampled request end to end."""
+    """The rejection rule (unseeded requests; seeded here to repeat). The sampled verifier on the
+    device with a device generator and draft rows from the CPU: its first tokens follow the target's
+    p (chi-square); then a draft model and the target on the same device draft and verify a sampled
+    request end to end."""
     from scipy.stats import chisquare
 
     torch.manual_seed(0)
@@ -194,7 +196,8 @@ def sampling_with_a_device_generator(ctx: Context) -> dict:
     worker.start([AdmitItem(request_id="sampled", tokens=tokens, sampling=sampling)])
     tree_devices = set()
     for _ in range(4):
-        tree = proposer.propose([DraftRequest("sampled", tokens, 3, 6, sampling=sampling)])[0]
+        tree = proposer.propose([DraftRequest(request_id="sampled", token_ids=tokens, num_speculative_tokens=3, max_nodes=6,
+                                              sampling=sampling)])[0]
         tree_devices.add(str(tree.draft_probs.device) if tree.draft_probs is not None else "none")
         tokens = tokens + worker.verify([VerifyItem("sampled", tree)]).results[0].new_tokens
         proposer.on_accept("sampled", tokens)
@@ -227,7 +230,8 @@ def keyed_sampling_on_the_device(ctx: Context) -> dict:
         tokens, accepted = list(prompt), 0
         worker.start([AdmitItem(request_id="keyed", tokens=tokens, sampling=sampling)])
         while len(tokens) < len(prompt) + new:
-            tree = (proposer.propose([DraftRequest("keyed", tokens, 3, 6, sampling=sampling)])[0] if drafting
+            tree = (proposer.propose([DraftRequest(request_id="keyed", token_ids=tokens, num_speculative_tokens=3, max_nodes=6,
+                                                   sampling=sampling)])[0] if drafting
                     else DraftTree.root_only(tokens[-1]))
             result = worker.verify([VerifyItem("keyed", tree)]).results[0]
             tokens, accepted = tokens + result.new_tokens, accepted + len(result.accepted_tokens)
@@ -299,7 +303,8 @@ def draft_step(ctx: Context) -> dict:
     for batch, graphs in [(batch, False) for batch in BATCHES] + [(1, True)]:
         runner = ModelRunner(decoder, max(BATCHES), ctx.sizes.prompt + 8 + max(TREE_SIZES), cuda_graphs=graphs)
         proposer = DraftModelProposer(runner, width=1)
-        requests = [DraftRequest(f"r{i}", ctx.prompt(ctx.sizes.prompt, i), 4, 4) for i in range(batch)]
+        requests = [DraftRequest(request_id=f"r{i}", token_ids=ctx.prompt(ctx.sizes.prompt, i), num_speculative_tokens=4,
+                                 max_nodes=4) for i in range(batch)]
         proposer.propose(requests)  # warm-up; also fills the draft's cache with the prompts
         samples = []
         for _ in range(max(ctx.sizes.repeats, 1)):
@@ -440,7 +445,8 @@ def shard_path(ctx: Context) -> dict:
         tokens = list(prompt)
         target.submit("start", [AdmitItem(request_id="r", tokens=tokens, sampling=SamplingParams())]).result(300)
         while len(tokens) - len(prompt) < new:
-            tree = draft.submit("propose", [DraftRequest("r", tokens, 4, 4)]).result(300).trees[0]
+            request = DraftRequest(request_id="r", token_ids=tokens, num_speculative_tokens=4, max_nodes=4)
+            tree = draft.submit("propose", [request]).result(300).trees[0]
             tokens += target.submit("verify", [VerifyItem("r", tree)]).result(300).results[0].new_tokens
         generated = tokens[len(prompt): len(prompt) + new]
     finally:

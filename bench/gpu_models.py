@@ -46,14 +46,20 @@ class Shape:
 
 
 GPU_SHAPES = {
-    "1b": Shape("llama-3.2-1b-class", 2048, 8192, 16, 32, 8, 128256, True),
-    "8b": Shape("llama-3.1-8b-class", 4096, 14336, 32, 32, 8, 128256, False),
-    "draft": Shape("2-layer draft, 1b-class width", 2048, 8192, 2, 32, 8, 128256, True),
+    "1b": Shape(name="llama-3.2-1b-class", hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                vocab_size=128256, tie_word_embeddings=True),
+    "8b": Shape(name="llama-3.1-8b-class", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                vocab_size=128256, tie_word_embeddings=False),
+    "draft": Shape(name="2-layer draft, 1b-class width", hidden_size=2048, intermediate_size=8192, num_layers=2, num_heads=32,
+                   num_kv_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
 CPU_SHAPES = {
-    "1b": Shape("tiny (dry run)", 64, 128, 2, 4, 2, 256, True),
-    "8b": Shape("tiny, deeper (dry run)", 96, 192, 4, 4, 2, 256, False),
-    "draft": Shape("tiny 1-layer draft (dry run)", 64, 128, 1, 4, 2, 256, True),
+    "1b": Shape(name="tiny (dry run)", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                vocab_size=256, tie_word_embeddings=True),
+    "8b": Shape(name="tiny, deeper (dry run)", hidden_size=96, intermediate_size=192, num_layers=4, num_heads=4, num_kv_heads=2,
+                vocab_size=256, tie_word_embeddings=False),
+    "draft": Shape(name="tiny 1-layer draft (dry run)", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                   num_kv_heads=2, vocab_size=256, tie_word_embeddings=True),
 }
 
 

@@ -108,7 +108,8 @@ def divergence_at(target: LlamaDecoder, full_precision: LlamaDecoder, prompt: in
                   position: int) -> Divergence:
     exact, rounded = next_logits(full_precision, tokens), next_logits(target, tokens)
     first, second = torch.topk(exact, 2).values.tolist()
-    return Divergence(prompt, position, first - second, float((rounded.to(exact.device) - exact).abs().max()))
+    return Divergence(prompt=prompt, position=position, top2_gap=first - second,
+                      rounding=float((rounded.to(exact.device) - exact).abs().max()))
 
 
 def measure_agreement(target: LlamaDecoder, full_precision: LlamaDecoder, prompts: Sequence[Sequence[int]],

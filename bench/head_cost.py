@@ -32,13 +32,15 @@ def main() -> None:
         proposer = head_proposer("eagle3", source, config, DEFAULT_MODEL, width, None, target, torch.float32, "cpu")
         columns = config.hidden_size * len(proposer.hidden_layers)  # the three target layers side by side
         tokens = torch.randint(1000, (CONTEXT,)).tolist()
-        proposer.propose([DraftRequest("r", tokens, 0, 0, hidden=TargetHidden(0, torch.randn(CONTEXT - 1, columns)))])
+        proposer.propose([DraftRequest(request_id="r", token_ids=tokens, num_speculative_tokens=0, max_nodes=0,
+                                       hidden=TargetHidden(0, torch.randn(CONTEXT - 1, columns)))])
         for depth in (0, 1, 2, 4):
             times = []
             for _ in range(CALLS):
                 tokens = tokens + [int(torch.randint(1000, ()))]
                 latest = TargetHidden(len(tokens) - 2, torch.randn(1, columns))
-                request = DraftRequest("r", tokens, depth, 32, hidden=latest)
+                request = DraftRequest(request_id="r", token_ids=tokens, num_speculative_tokens=depth, max_nodes=32,
+                                       hidden=latest)
                 began = time.perf_counter()
                 proposer.propose([request])
                 times.append(time.perf_counter() - began)

@@ -66,7 +66,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     questions = load_questions(args.questions, None, args.limit)
     prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True) for q in questions]
-    answers = AnswerRecorder(tuple(layers), recording_decoder(target, tokenizer, 8, max(map(len, prompts)) + args.max_new_tokens + 1))
+    longest = max(map(len, prompts)) + args.max_new_tokens + 1
+    answers = AnswerRecorder(tuple(layers), recording_decoder(target, tokenizer, 8, longest))
     examples = answers.record([(i, ids, True) for i, ids in enumerate(prompts)], args.max_new_tokens)
     steps = objective.steps
     print(f"| answers | count | {' | '.join(f'top-1 depth {d + 1}' for d in range(steps))} "
@@ -78,7 +79,8 @@ def main() -> None:
         print(row("own held-out training answers", held, objective, vocabulary, vocab_size))
     print(row("Spec-Bench, all tasks", examples, objective, vocabulary, vocab_size))
     for task in dict.fromkeys(q["task"] for q in questions):
-        print(row(f"Spec-Bench {task}", [e for e in examples if questions[e.index]["task"] == task], objective, vocabulary, vocab_size))
+        in_task = [e for e in examples if questions[e.index]["task"] == task]
+        print(row(f"Spec-Bench {task}", in_task, objective, vocabulary, vocab_size))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ and with `"speculation": {"method": "off"}` on the same requests:
 
 - capacity: N clients (N = 8, 16, 32, 64) asking 2N Spec-Bench questions between them (those of up
   to 1,000 tokens; each level on a fresh deployment), each client sending its next question when
-  its answer ends, the paged cache as deployed against the same
-  memory decoding 8 requests at once (`max_sequences: 8`: what the slot cache of earlier releases
-  allowed); output tokens/s over the round (a single wave of N would end with its slowest answer). How many decode together is counted
+  its answer ends, the paged cache as deployed against the same memory decoding 8 requests at once
+  (`max_sequences: 8`: what the slot cache of earlier releases allowed); output tokens/s over the
+  round (a single wave of N would end with its slowest answer). How many decode together is counted
   in process (the engine's running requests at each step, 64 questions, plain decoding).
 - shared-prefix: 32 questions behind one ~1,000-token system prompt, all at once: prefix caching
   on after one request has put the prompt in the cache ("on"), on with nothing cached before the
@@ -98,8 +98,8 @@ class Client:
         if not arrivals:
             raise RuntimeError("a stream ended without tokens")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return Reply(text, usage.get("completion_tokens", 0), arrivals[0] - began, time.perf_counter() - began,
-                     cached, arrivals)
+        return Reply(text=text, tokens=usage.get("completion_tokens", 0), first_token_s=arrivals[0] - began,
+                     seconds=time.perf_counter() - began, cached_tokens=cached, arrivals=arrivals)
 
     def wave(self, conversations: list[list[dict]], max_tokens: int, setting: str,
              in_flight: int | None = None) -> tuple[list[Reply], float]:
@@ -278,7 +278,8 @@ def interference(deployment: Deployment, questions: list[dict], args: argparse.N
             results.setdefault(name, {})[setting] = {
                 "gap_p50_ms": round(1e3 * percentile(gaps, 0.5), 1), "gap_p99_ms": round(1e3 * percentile(gaps, 0.99), 1),
                 "gap_max_ms": round(1e3 * max(gaps), 1), "gaps": len(gaps)}
-            results[name][setting]["p99_over_p50"] = round(results[name][setting]["gap_p99_ms"] / results[name][setting]["gap_p50_ms"], 2)
+            measured = results[name][setting]
+            measured["p99_over_p50"] = round(measured["gap_p99_ms"] / measured["gap_p50_ms"], 2)
             print(f"interference {name} {setting}: {results[name][setting]}", flush=True)
     return {"document_tokens": len(tokenizer.encode(documents[0][0]["content"])), "by_prefill": results}
 
@@ -291,7 +292,8 @@ def markdown(report: dict) -> str:
         c = scenarios["capacity"]
         d = c.get("decoding_together")
         lines += ["## Capacity", "",
-                  (f"In process, 64 Spec-Bench requests, plain decoding, default KV memory ({d['kv_cache_bytes'] / 2**20:.0f} MiB): "
+                  (f"In process, 64 Spec-Bench requests, plain decoding, default KV memory "
+                   f"({d['kv_cache_bytes'] / 2**20:.0f} MiB): "
                    f"at most {d['most_decoding_at_once']} decoded at once ({d['preemptions']} preemptions); the slot cache "
                    f"decoded 8. " if d else "") +
                   f"Texts identical across settings and variants: {c['texts_identical']}. "

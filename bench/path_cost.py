@@ -110,8 +110,9 @@ class EnginePath:
         output = self.generate(self.builder.build_request(options))
         seconds = time.perf_counter() - began
         taken = max(1, counters.steps - steps)
-        return Run(self.builder.tokenizer.decode(output.token_ids, skip_special_tokens=True), len(output.token_ids),
-                   seconds, (counters.verify_seconds - verify) / taken, (counters.draft_wait_seconds - draft) / taken)
+        return Run(text=self.builder.tokenizer.decode(output.token_ids, skip_special_tokens=True), tokens=len(output.token_ids),
+                   seconds=seconds, verify_wait_s=(counters.verify_seconds - verify) / taken,
+                   draft_wait_s=(counters.draft_wait_seconds - draft) / taken)
 
 
 class ServedPath:

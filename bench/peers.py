@@ -127,7 +127,8 @@ def _llama_cpp_runners(
         return [], {name: f"skipped: model {config.model!r} is not a GGUF file or known name" for name in wanted}
 
     def runner(name: str) -> Runner:
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=config.prompt_lookup_num_tokens, max_ngram_size=config.prompt_lookup_max_ngram_size) \
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=config.prompt_lookup_num_tokens,
+                                          max_ngram_size=config.prompt_lookup_max_ngram_size) \
             if name == "llama-cpp-pld" else None
         # logits_all: its prompt lookup fails on prompts over 512 tokens without it
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=torch.get_num_threads(),

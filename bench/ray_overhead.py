@@ -41,7 +41,8 @@ class Echo:
 def payloads(batch: int, nodes: int) -> dict[str, object]:
     tree = DraftTree.chain(7, list(range(nodes)), confidence=[1.0] * (nodes + 1))
     return {"verify": [VerifyItem(f"r{i}", tree) for i in range(batch)],
-            "propose": [DraftRequest(f"r{i}", [5, 6, 7], 8, nodes, start=900) for i in range(batch)]}
+            "propose": [DraftRequest(request_id=f"r{i}", token_ids=[5, 6, 7], num_speculative_tokens=8, max_nodes=nodes,
+                                     start=900) for i in range(batch)]}
 
 
 def _median_us(call, count: int) -> float:

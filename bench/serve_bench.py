@@ -80,8 +80,8 @@ def ask(args: argparse.Namespace, question: dict, extra: dict) -> Answer:
             usage, speculation = event["usage"], event.get("speculation") or {}
     if usage is None or first is None:
         raise RuntimeError(f"question {question['question_id']}: the stream ended without tokens or usage")
-    return Answer(text, usage["completion_tokens"], first, time.perf_counter() - began,
-                  speculation.get("mean_accepted_tokens"))
+    return Answer(text=text, tokens=usage["completion_tokens"], first_token_s=first, seconds=time.perf_counter() - began,
+                  mean_accepted_tokens=speculation.get("mean_accepted_tokens"))
 
 
 def run_setting(args: argparse.Namespace, questions: list[dict], extra: dict, level: int) -> dict:

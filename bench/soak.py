@@ -152,7 +152,8 @@ def reference_prompts(args: argparse.Namespace, model: str) -> list[Prompt]:
         request = requests.build_request(RequestOptions(prompt_token_ids=ids, max_new_tokens=args.max_new_tokens),
                                          f"ref{question['question_id']}")
         output = engine.generate([request])[0]
-        prompts.append(Prompt(question["question_id"], question["turns"][0], ids, output.token_ids, output.text))
+        prompts.append(Prompt(question_id=question["question_id"], text=question["turns"][0], token_ids=ids,
+                              expected_ids=output.token_ids, expected_text=output.text))
     return prompts
 
 
@@ -200,7 +201,7 @@ def run_clients(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[O
         protocol = "grpc" if index % 2 == 0 else "http"
         while time.perf_counter() < stop_at:
             which = rng.randrange(len(prompts))
-            outcome = Outcome(index, protocol, which, time.perf_counter())
+            outcome = Outcome(client=index, protocol=protocol, prompt=which, started=time.perf_counter())
             with lock:
                 outcomes.append(outcome)
             if protocol == "grpc":

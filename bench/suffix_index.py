@@ -67,7 +67,8 @@ def latency(docs: list[list[int]], background: bool, release_tokens: int, calls:
     worker.flush()
     begins = {f"r{b}": 40000 + 2048 * b for b in range(BATCH)}  # where each request's text is in the stream
     sequences = {rid: stream[begin:begin + CONTEXT] for rid, begin in begins.items()}
-    worker.propose([DraftRequest(rid, tokens, 8, 16) for rid, tokens in sequences.items()])
+    worker.propose([DraftRequest(request_id=rid, token_ids=tokens, num_speculative_tokens=8, max_nodes=16)
+                    for rid, tokens in sequences.items()])
     propose_ms, total_ms = [], []
     for call in range(calls):
         start = (call * release_tokens) % (len(stream) - release_tokens)
@@ -76,7 +77,7 @@ def latency(docs: list[list[int]], background: bool, release_tokens: int, calls:
         requests = []
         for rid, tokens in sequences.items():
             tokens.extend(stream[begins[rid] + len(tokens):begins[rid] + len(tokens) + 3])
-            requests.append(DraftRequest(rid, tokens, 8, 16))
+            requests.append(DraftRequest(request_id=rid, token_ids=tokens, num_speculative_tokens=8, max_nodes=16))
         began = time.perf_counter()
         worker.release([], outputs)
         released = time.perf_counter()

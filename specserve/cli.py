@@ -20,7 +20,8 @@ from speculators.sampling import SamplingParams
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # refused before loading the model
+    # refused before loading the model
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = engine_config_from_args(args, args.method)
     engine, tokenizer = build_engine(config)
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}

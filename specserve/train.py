@@ -155,7 +155,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("kind", choices=["eagle3", "medusa"], help="the head to train")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: a known name, a .gguf file or a HF directory")
     parser.add_argument("--out", type=Path, default=None, help="where the head goes (default: <workdir>/<kind>)")
-    parser.add_argument("--workdir", type=Path, default=None, help="data and run checkpoints (default: $SPECSERVE_CACHE/train/<model>)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="data and run checkpoints (default: $SPECSERVE_CACHE/train/<model>)")
     parser.add_argument("--prompts", type=int, default=1200, help="prompts of the written prompt set the target answers")
     parser.add_argument("--self-prompts", type=int, default=1200,
                         help="prompts the target writes itself (sampled user turns) and then answers")
@@ -165,13 +166,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--batch-rows", type=int, default=2048, help="tokens per training step")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the target's most frequent output tokens")
-    parser.add_argument("--ttt-steps", type=int, default=3, help="eagle3: drafting steps unrolled in training (training-time test)")
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="the head's vocabulary: the target's most frequent output tokens")
+    parser.add_argument("--ttt-steps", type=int, default=3,
+                        help="eagle3: drafting steps unrolled in training (training-time test)")
     parser.add_argument("--medusa-heads", type=int, default=4)
     parser.add_argument("--tree-size", type=int, default=24, help="medusa: nodes of the tree chosen from held-out ranks")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 products")
-    parser.add_argument("--verifier-name", default=None, help="the target's name written into the head's config (default: --model)")
+    parser.add_argument("--verifier-name", default=None,
+                        help="the target's name written into the head's config (default: --model)")
 
 
 def run(args) -> int:
@@ -206,7 +210,8 @@ def write_card(out: Path, card: dict) -> None:
         f"- draft vocabulary: the {card['draft_vocab']} most frequent output tokens, "
         f"{card['vocab_coverage']:.1%} of held-out response tokens",
         f"- training: {card['steps']} steps of about {card['config']['batch_rows']} tokens, AdamW lr {card['config']['lr']}, "
-        f"{card['config']['epochs']} epochs" + (f", training-time test over {card['ttt_steps']} steps" if "ttt_steps" in card else ""),
+        f"{card['config']['epochs']} epochs"
+        + (f", training-time test over {card['ttt_steps']} steps" if "ttt_steps" in card else ""),
         f"- held-out: loss {figures['loss']:.3f}; top-1 agreement with the target by depth: {depths}; "
         f"estimated accepted tokens per pass for a chain as deep as that: {figures['accept']:.2f}",
     ]

@@ -14,7 +14,8 @@ import torch
 
 @dataclass
 class TargetHidden:
-    """Hidden states of committed tokens at positions start .. start + len(states) - 1: [n, width]."""
+    """Hidden states of committed tokens at positions start .. start + len(states) - 1: [n, width]
+    (width: the drafter's `hidden_layers` concatenated, len(hidden_layers) x the target's hidden size)."""
 
     start: int
     states: torch.Tensor

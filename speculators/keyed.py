@@ -1,13 +1,14 @@
 """Keyed sampling: the token at a position drawn with noise that depends on (seed, position) alone.
 
 Gumbel-max, written as the exponential race: with E_i independent Exp(1) variables, argmax_i p_i / E_i
-is distributed as p (log p_i - log E_i is p's Gumbel-max). When E is a fixed function of the request's seed and the sampled token's position in the
-sequence, the token chosen at a position depends only on the seed, the position and the target's
-distribution there. Verifying a drafted token is then asking whether it equals that sample, and the
-output is the same, token for token, whatever was drafted (nothing, for plain decoding), however
-requests were batched and wherever they ran. The top k of log q + g are k draws from q without
-replacement (Gumbel-top-k): the drafters draw with the same noise at the same position
-(speculators.sampling.DraftNoise), so a sampled draft tends to agree with the target's sample.
+is distributed as p (log p_i - log E_i is p's Gumbel-max). When E is a fixed function of the
+request's seed and the sampled token's position in the sequence, the token chosen at a position
+depends only on the seed, the position and the target's distribution there. Verifying a drafted
+token is then asking whether it equals that sample, and the output is the same, token for token,
+whatever was drafted (nothing, for plain decoding), however requests were batched and wherever they
+ran. The top k of log q + g are k draws from q without replacement (Gumbel-top-k): the drafters draw
+with the same noise at the same position (speculators.sampling.DraftNoise), so a sampled draft tends
+to agree with the target's sample.
 
 The noise is a counter-based hash of (seed, position, token) in integer tensor ops on the
 distribution's device: no generator state, no host round trip, the same numbers on every device.

@@ -61,13 +61,14 @@ class DraftTree:
     shared by siblings that were drawn without replacement in index order. None means the children
     were chosen deterministically (prompt lookup, greedy top-k) or that the request is keyed (its
     verifier keeps a token exactly when it is the target's own sample, speculators.keyed): the
-    rejection rule then treats each child as a point-mass proposal, which keeps sampling lossless. `confidence[i]` is the drafter's own
-    probability of node i (for stats and lookahead), or None when the drafter has none.
+    rejection rule then treats each child as a point-mass proposal, which keeps sampling lossless.
+    `confidence[i]` is the drafter's own probability of node i (for stats and lookahead), or None
+    when the drafter has none.
     """
 
     token_ids: list[int]
     parents: list[int]
-    draft_probs: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None  # [N, vocab] (the root's row unused)
     confidence: list[float] | None = None
     _children: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
@@ -88,7 +89,8 @@ class DraftTree:
 
     @classmethod
     def chain(cls, root: int, tokens: Sequence[int], draft_probs=None, confidence=None) -> "DraftTree":
-        return cls([root, *tokens], chain_parents(len(tokens) + 1), draft_probs, confidence)
+        return cls(token_ids=[root, *tokens], parents=chain_parents(len(tokens) + 1), draft_probs=draft_probs,
+                   confidence=confidence)
 
     @classmethod
     def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> "DraftTree":

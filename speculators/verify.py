@@ -4,12 +4,12 @@ Pure functions over a DraftTree and the target's logits at every tree node (row 
 next-token logits after node i). Greedy keeps the longest path whose every token is the target's
 argmax. The keyed rule (seeded requests, speculators.keyed) does the same with the token the
 target samples at each position from noise keyed by the seed and the position: the output is the
-target's own sample whatever was drafted. Otherwise sampling walks from the root with recursive rejection sampling: child x of a node is
-accepted with probability min(1, p(x) / q(x)); on rejection p becomes norm(max(p - q, 0)) and q
-loses x (siblings were drawn without replacement), and the next sibling is tried; when every child
-fails, the token is drawn from what is left of p. At a leaf the bonus token is drawn from p.
-The output distribution is exactly the target's (SpecInfer, EAGLE; Jeon et al. 2024 for the
-without-replacement form).
+target's own sample whatever was drafted. Otherwise sampling walks from the root with recursive
+rejection sampling: child x of a node is accepted with probability min(1, p(x) / q(x)); on rejection
+p becomes norm(max(p - q, 0)) and q loses x (siblings were drawn without replacement), and the next
+sibling is tried; when every child fails, the token is drawn from what is left of p. At a leaf the
+bonus token is drawn from p. The output distribution is exactly the target's (SpecInfer, EAGLE; Jeon
+et al. 2024 for the without-replacement form).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class VerifyResult:
     next_token: int
     """The bonus token (after a fully accepted path) or the recovered token (after a rejection)."""
     hidden: torch.Tensor | None = None
-    """The target's hidden states of `accepted_nodes` when its drafter reads them (set by the
-    target worker after the decision, on rank 0 only)."""
+    """The target's hidden states of `accepted_nodes`, [len(accepted_nodes), width] (as TargetHidden),
+    when its drafter reads them (set by the target worker after the decision, on rank 0 only)."""
     logprobs: list[TokenLogprob] | None = None
     """Each new token's log-probability and top alternatives, when the request asked for them."""
 
@@ -50,7 +50,8 @@ def verify(
     generator: torch.Generator | None = None,
     position: int = 0,
 ) -> VerifyResult:
-    """`generator`: the request's random stream (the rejection rule); `position`: the index in the
+    """`target_logits` [tree.size, vocab]: row i the target's next-token logits after node i.
+    `generator`: the request's random stream (the rejection rule); `position`: the index in the
     sequence of the token sampled after the root (the keyed rule)."""
     if target_logits.shape[0] != tree.size:
         raise ValueError(f"need target logits for all {tree.size} nodes, got {target_logits.shape[0]}")
@@ -81,9 +82,10 @@ def verify_greedy(tree: DraftTree, best: Sequence[int]) -> VerifyResult:
 
 
 def verify_keyed(tree: DraftTree, target_probs: torch.Tensor, seed: int, position: int) -> VerifyResult:
-    """A drafted token is kept exactly when it is the target's keyed sample at its position; the
-    first sample no child matches is the recovered (or bonus) token. For a drafter without
-    probabilities a token is kept with probability p(token), as under rejection sampling."""
+    """`target_probs` [tree.size, vocab], warped as the request samples. A drafted token is kept
+    exactly when it is the target's keyed sample at its position; the first sample no child matches
+    is the recovered (or bonus) token. For a drafter without probabilities a token is kept with
+    probability p(token), as under rejection sampling."""
     return _walk(tree, lambda node, depth: keyed_sample(target_probs[node], seed, position + depth))
 
 
@@ -120,8 +122,9 @@ def _without(q: torch.Tensor, token: int) -> torch.Tensor:
 def verify_sampled(
     tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> VerifyResult:
-    """`target_probs` may live on a GPU (then so must `generator`); the tree's draft probabilities
-    arrive from a draft actor on the CPU and are moved next to them one visited row at a time."""
+    """`target_probs` [tree.size, vocab], warped as the request samples, may live on a GPU (then so
+    must `generator`); the tree's draft probabilities arrive from a draft actor on the CPU and are
+    moved next to them one visited row at a time."""
     target_probs = target_probs.double()
     device = target_probs.device
     node, path = 0, [0]

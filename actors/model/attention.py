@@ -35,6 +35,7 @@ class SdpaBackend:
     name = "sdpa"
 
     def attend(self, q, batch, cache, layer):
+        """q [tokens, heads, d] -> [tokens, heads * d], as AttentionBackend.attend."""
         if batch.per_sequence:
             outputs = [_attend_sequence(q, view, cache, layer) for view in batch.sequences]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

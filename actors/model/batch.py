@@ -4,8 +4,9 @@ A pass runs the new tokens of several sequences laid end to end (no padding in t
 Attention sees them one of two ways:
 - per sequence (`sequences`): each sequence's queries against views of its own cache blocks (one
   view per run of adjacent blocks, usually one), under its own mask: no copy of any cache and no
-  padding. This is the CPU path: at 16 sequences of ~1,000 positions, gathering their caches into
-  one padded block cost ~7 ms a layer against ~0.8 ms for the whole loop.
+  padding. This is the CPU path: for many long sequences, gathering their caches into one padded
+  block cost several times the whole loop a layer (figures: docs/benchmarks.md,
+  "Measurements behind the code").
 - padded (`queries`, `read`, `mask`, `outputs`): the batch regrouped into one [sequences, new
   tokens, positions] block, so every layer makes one cache read and one attention call (a GPU,
   where a kernel launch per sequence is the dearer part). Built on first use only.
@@ -52,7 +53,7 @@ class SequenceView:
     blocks: Sequence[int]
     runs: list[tuple[int, int, int]]
     end: int
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None  # the segment's: [its new tokens, end]
     prefix: int
     for_every_layer: dict = field(default_factory=dict)
     """What attention derives from the view once and reuses in every layer of the pass."""
@@ -79,8 +80,9 @@ class PackedBatch:
     def sequences(self) -> list[SequenceView]:
         views, offset = [], 0
         for segment in self.segments:
-            views.append(SequenceView(slice(offset, offset + segment.num_tokens), segment.blocks, self.cache.runs(segment.blocks, segment.end),
-                                      segment.end, segment.mask, segment.prefix))
+            views.append(SequenceView(rows=slice(offset, offset + segment.num_tokens), blocks=segment.blocks,
+                                      runs=self.cache.runs(segment.blocks, segment.end), end=segment.end,
+                                      mask=segment.mask, prefix=segment.prefix))
             offset += segment.num_tokens
         return views
 

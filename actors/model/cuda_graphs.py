@@ -31,7 +31,7 @@ class StaticBatch(PackedBatch):
     def __init__(self, tokens: int, cache: KVCache, device: torch.device):
         pad_table = [cache.pad_position // cache.block_size] * cache.blocks_for(cache.max_len)
         mask = torch.ones(tokens, cache.max_len, dtype=torch.bool)
-        super().__init__([Segment(pad_table, cache.max_len - tokens, tokens, mask)], device, cache)
+        super().__init__([Segment(blocks=pad_table, start=cache.max_len - tokens, num_tokens=tokens, mask=mask)], device, cache)
         self.per_sequence = False  # a graph replays the padded call over the buffers below
         self.storage  # built now: a buffer the graph reads
 

@@ -1,12 +1,12 @@
 """Projections of the same input run as one product while their weights lie back to back.
 
-q/k/v (and gate/up) multiply the same rows; one product over their stacked weights costs 7-9% less
-than separate ones on this CPU at every row count (fewer, larger calls; measured on the default
-target's shapes: 1 row 13.5 -> 12.3 ms, 16 rows 23.1 -> 21.6 ms for all layers), and it is what
-GPU servers do too. Parameters keep their Hugging Face names and shapes: `stack_in_place` makes
-them views of one tensor when a decoder is built from its tensors, and `JointProjection` takes the
-one-product path only while they still are views of it (a state dict assigned later, or a decoder
-built without the loader, runs them one by one), so a stacked weight can never go stale.
+q/k/v (and gate/up) multiply the same rows; one product over their stacked weights costs less than
+separate ones on the CPU at every row count tried (fewer, larger calls; figures: docs/benchmarks.md,
+"Measurements behind the code"), and it is what GPU servers do too. Parameters keep their Hugging
+Face names and shapes: `stack_in_place` makes them views of one tensor when a decoder is built from
+its tensors, and `JointProjection` takes the one-product path only while they still are views of it
+(a state dict assigned later, or a decoder built without the loader, runs them one by one), so a
+stacked weight can never go stale.
 """
 from __future__ import annotations
 

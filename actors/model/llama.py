@@ -47,20 +47,20 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """x @ weight.T (+ bias) for x [rows, in], the fastest way for the device.
 
     On a CPU, for the default target's projections (2 cores, AVX-512, MKL), F.linear costs about
-    the same for 1 to 16 rows, 2-3x what the weights' memory traffic allows. Measured instead:
+    the same for 1 to 16 rows, well above what the weights' memory traffic allows. Measured instead:
     `(W @ x.T).T` reads the weights at memory speed for 2 to 4 rows (1 row takes a slower
-    matrix-vector path, and 3 rows one slower than 4, so odd counts get a zero row), and oneDNN's linear is
-    fastest past 4 rows (16 rows
-    for 2.2x one row). This is what makes a verification pass of many tokens cost little more than
-    one decode step. oneDNN only gets contiguous weights: on a strided one (a tensor-parallel column
-    slice) it takes a reference path about 1000x slower. On CUDA, plain F.linear.
+    matrix-vector path, and 3 rows one slower than 4, so odd counts get a zero row), and oneDNN's
+    linear is fastest past 4 rows. This is what makes a verification pass of many tokens cost little
+    more than one decode step. oneDNN only gets contiguous weights: on a strided one (a
+    tensor-parallel column slice) it takes a far slower reference path. On CUDA, plain F.linear.
+    Figures: docs/benchmarks.md, "Measurements behind the code".
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     if rows > SMALL_ROWS and ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES and weight.is_contiguous():
         return ONEDNN_LINEAR(x.contiguous(), weight, bias)
-    if rows % 2:  # an odd row count takes a slower path (1 row: matrix-vector; 3 rows: 15% dearer than 4)
+    if rows % 2:  # an odd row count takes a slower path (1 row: matrix-vector; 3 rows: dearer than 4)
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])
     # MKL's fast path wants x.T column-major, i.e. x row-major; so is the output, for what follows
     out = (weight @ x.contiguous().t()).t()[:rows].contiguous()
@@ -100,6 +100,8 @@ class Attention(nn.Module):
         self.qkv = JointProjection((self.q_proj, self.k_proj, self.v_proj), project)
 
     def forward(self, x, cos, sin, layer: int, batch: PackedBatch, cache: KVCache, backend: AttentionBackend):
+        """x [tokens, hidden], cos/sin [tokens, head_dim] -> [tokens, hidden] (this rank's heads' part,
+        which the decoder all-reduces)."""
         tokens = x.shape[0]
         q, k, v = self.qkv(x)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
@@ -197,12 +199,13 @@ class LlamaDecoder(nn.Module):
         return self.comm.all_reduce(hidden * inside[:, None].to(hidden.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits of final hidden states (gathered across ranks)."""
+        """Full-vocabulary logits [rows, vocab] of final hidden states [rows, hidden] (gathered across ranks)."""
         return self.comm.all_gather_last_dim(project(hidden, self.head_weight()))
 
     def likeliest(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax token of each final hidden state, as `logits(hidden).argmax(-1)` gives it (the
-        first of equal maxima), with only each rank's best (value, token) gathered across ranks."""
+        """The argmax token of each final hidden state ([rows, hidden] -> [rows]), as
+        `logits(hidden).argmax(-1)` gives it (the first of equal maxima), with only each rank's best
+        (value, token) gathered across ranks."""
         local = project(hidden, self.head_weight())
         if self.comm.world_size == 1:
             return local.argmax(-1)
@@ -221,8 +224,10 @@ class LlamaDecoder(nn.Module):
     ) -> torch.Tensor | None:
         """Run the packed new tokens of `segments`, writing their K/V into `cache`.
 
-        Returns the normed final hidden states of `logit_rows` (indices into the packed tokens),
-        or None when no row is asked for (a prefill skips the last MLP and the LM head).
+        `input_ids` and `positions` [tokens]: the segments' new tokens end to end, and each one's
+        position in its sequence. Returns the normed final hidden states [len(logit_rows), hidden] of
+        `logit_rows` (indices into the packed tokens), or None when no row is asked for (a prefill
+        skips the last MLP and the LM head).
         """
         return self.forward_capturing(input_ids, positions, segments, cache, logit_rows)[0]
 

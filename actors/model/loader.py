@@ -196,7 +196,7 @@ def _read_tensors(file: Path, expected: set[str], config: DecoderConfig, plan: S
                 dim, kind = split
                 start, end = _shard_range(kind, config, plan)
                 tensor = piece[start:end] if dim == 0 else piece[:, start:end]
-            # a column slice comes back strided; oneDNN's linear runs ~1000x slower on a strided weight
+            # a column slice comes back strided; oneDNN's linear takes a far slower path on a strided weight (llama.project)
             state[name] = tensor.to(dtype).contiguous()
     return state
 

@@ -115,6 +115,8 @@ class ModelRunner:
         return scratch.mask[old:], scratch.depths[old:]
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
+        """TreeModel.forward: per input, float32 logits [n, vocab] ("all"; [1, vocab] for "last"),
+        token ids [n] ("argmax"), or None."""
         return self.forward_capturing(inputs)[0]
 
     def forward_capturing(
@@ -152,7 +154,8 @@ class ModelRunner:
             if not bool(scratch_rows.all()):
                 prefix = torch.ones(count, committed, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
-            segments.append(Segment(self.kv_manager.block_table(item.seq_id), start, count, mask, prefix=committed))
+            segments.append(Segment(blocks=self.kv_manager.block_table(item.seq_id), start=start, num_tokens=count,
+                                    mask=mask, prefix=committed))
             wanted = {"all": range(offset, offset + count), "argmax": range(offset, offset + count),
                       "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)

@@ -86,7 +86,7 @@ class SplitLayout:
         else:
             columns = positions[:, None, :].expand(-1, batch.max_new, -1)
             mask = batch.mask.gather(2, columns) & inside[:, None, :]
-        return cls(prefix, max(s.prefix for s in batch.segments), positions, mask)
+        return cls(prefix=prefix, max_prefix=max(s.prefix for s in batch.segments), tree_positions=positions, tree_mask=mask)
 
 
 Varlen = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -121,6 +121,7 @@ class SplitBackend:
         return self._last[1]
 
     def attend(self, q: torch.Tensor, batch: PackedBatch, cache: KVCache, layer: int) -> torch.Tensor:
+        """q [tokens, heads, d] -> [tokens, heads * d], as AttentionBackend.attend."""
         layout = self._layout(batch)
         query = batch.queries(q)
         tree = batch.storage.gather(1, layout.tree_positions)

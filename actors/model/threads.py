@@ -3,16 +3,17 @@ other work holds those cores.
 
 Ray sets OMP_NUM_THREADS=1 in an actor that reserves less than one CPU, and every target shard and
 draft actor reserves none (a CPU slot would compete with the node's other work for nothing), so a
-served shard computed on one core of two: plain decoding through `make serve` ran 21 tokens/s
-against 29 with two threads. The cores a process may use are its CPU affinity, narrowed by a
+served shard computed on one core of two, and plain decoding through `make serve` ran markedly
+slower than with two threads. The cores a process may use are its CPU affinity, narrowed by a
 cgroup CPU quota where one is set (a container limited to 4 CPUs on a 64-core host).
 
 The opposite fault: OpenMP threads spin at every barrier of a pass, so when another process keeps
-one of two cores busy, each pass waits for a thread the kernel has descheduled. `specserve generate`
-beside a torch job on the other core made 1.2 tokens/s on two threads and 14 on one (23.6 alone).
-`CoreShare` sees it in the scheduler's run-queue wait of the process's threads and gives the core
-up while the neighbour holds it; `follow_load` applies its count before each pass, on the thread
-that runs it. An explicit count (`cpu_threads`) is kept.
+one of two cores busy, each pass waits for a thread the kernel has descheduled: `specserve generate`
+beside a torch job on the other core ran many times slower on two threads than on one (figures:
+docs/benchmarks.md, "Measurements behind the code"). `CoreShare` sees it in the scheduler's
+run-queue wait of the process's threads and gives the core up while the neighbour holds it;
+`follow_load` applies its count before each pass, on the thread that runs it. An explicit count
+(`cpu_threads`) is kept.
 """
 from __future__ import annotations
 

@@ -129,9 +129,10 @@ def run_case(case: Case, models: TinyModels, samples: int,
     stats = [output.stats for output in outputs]
     by_depth = [sum(column) for column in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)]
     differ = None if plain is None else sum(o.token_ids != p.token_ids for o, p in zip(outputs, plain))
-    return CaseRun(counts, sum(s.drafted for s in stats), by_depth, sum(len(o.token_ids) for o in outputs),
-                   sum(s.target_forwards for s in stats), differ, sum(s.preemptions for s in stats),
-                   sum(s.cached_prompt_tokens for s in stats))
+    return CaseRun(counts=counts, drafted=sum(s.drafted for s in stats), accepted_by_depth=by_depth,
+                   tokens=sum(len(o.token_ids) for o in outputs), target_forwards=sum(s.target_forwards for s in stats),
+                   differ_from_plain=differ, preemptions=sum(s.preemptions for s in stats),
+                   cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats))
 
 
 def _in_chunks(generate: Generate, batch: list[GenerationRequest]) -> list[GenerationOutput]:

@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if started_ray:
             ray.shutdown()
-    report = {"command": command_line(args, "bench", "lossless"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), **results}
+    report = {"command": command_line(args, "bench", "lossless"),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **results}
     out = args.out or RESULTS_DIR / f"lossless-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     write_report(report, out, markdown)
     log(markdown(report))

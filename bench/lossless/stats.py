@@ -147,8 +147,9 @@ def judge(groups: list[GroupSample]) -> Verdict:
     p_conditionals = min(1.0, smallest * tests)
     p_value = 0.0 if impossible else min(1.0, 2 * min(p_sequences, p_conditionals))
     by_depth = [_depth_shift(groups, depth, 2 * tests) for depth in range(max(g.exact.new_tokens for g in groups))]
-    return Verdict(sum(g.samples for g in groups), statistic, df, p_sequences, p_conditionals, worst, len(conditional_p),
-                   impossible, p_value, by_depth[0], by_depth)
+    return Verdict(samples=sum(g.samples for g in groups), statistic=statistic, df=df, p_sequences=p_sequences,
+                   p_conditionals=p_conditionals, worst_conditional=worst, conditionals=len(conditional_p),
+                   impossible=impossible, p_value=p_value, detectable_shift=by_depth[0], detectable_shift_by_depth=by_depth)
 
 
 def _depth_shift(groups: list[GroupSample], depth: int, tests: int) -> float | None:

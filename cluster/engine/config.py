@@ -28,10 +28,9 @@ DEFAULT_KV_SEQUENCES = 8
 earlier releases (which decoded 8 requests at once)."""
 DEFAULT_DRAFT_WIDTH = {"eagle3": 4}
 """Widths measured best on Spec-Bench; a method not named drafts one branch. eagle3: EAGLE-2's tree of
-width 4 made 1.09x against the chain's 1.05x on the 240 questions (bench/results/specbench-heads-240.md),
-and under the planner, once it learned each depth's reach rather than counting siblings as failed
-tries, 1.08x against 0.98x on 18; behind suffix decoding it drafts 1.96 tokens a pass against the
-chain's 1.71 (1.42x against 1.36x on 18)."""
+width 4 beat the chain alone, under the planner (once it learned each depth's reach rather than
+counting siblings as failed tries) and behind suffix decoding (figures: docs/benchmarks.md,
+"Measurements behind the code")."""
 
 
 class SchedulerConfig(BaseModel):
@@ -63,9 +62,11 @@ class SchedulerConfig(BaseModel):
         None, ge=0, description="a fixed number of drafted tokens per step for the whole micro-batch, shared "
         "equally; null (the default) lets the planner size every request's draft from the target's measured "
         "cost curve and the acceptance it has seen (goodput-based, down to no speculation)")
-    pipeline: bool = Field(False, description="split requests into two micro-batches so one is drafted while the other is verified")
+    pipeline: bool = Field(
+        False, description="split requests into two micro-batches so one is drafted while the other is verified")
     min_acceptance: float = Field(
-        0.1, ge=0, le=1, description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
+        0.1, ge=0, le=1,
+        description="a request whose averaged accepted/drafted depth falls below this stops speculating for a while")
     gate_warmup_steps: int = Field(4, ge=1, description="drafted steps before the acceptance gate may close")
     gate_cooloff_steps: int = Field(16, ge=1, description="plain steps before a closed gate speculates again")
     draft_timeout_s: float = Field(
@@ -147,7 +148,8 @@ class EngineConfig(SchedulerConfig):
     suffix_decoding_max_spec_factor: float = Field(
         suffix.MAX_SPEC_FACTOR, gt=0, description="suffix decoding: at most this many drafted tokens per matched token")
     suffix_decoding_min_token_prob: float = Field(
-        suffix.MIN_TOKEN_PROB, ge=0, le=1, description="suffix decoding: draft nodes whose estimated path probability is at least this")
+        suffix.MIN_TOKEN_PROB, ge=0, le=1,
+        description="suffix decoding: draft nodes whose estimated path probability is at least this")
     suffix_decoding_max_cached_tokens: int = Field(
         suffix.MAX_CACHED_TOKENS, ge=1, description="suffix decoding: tokens of earlier outputs kept per draft actor, all "
         "cache scopes together (oldest evicted)")

@@ -57,9 +57,9 @@ class RequestRules:
             return tree, 0
         index = {node: i for i, node in enumerate(keep)}
         pruned = DraftTree(
-            [tree.token_ids[n] for n in keep], [-1] + [index[tree.parents[n]] for n in keep[1:]],
-            None if tree.draft_probs is None else tree.draft_probs[keep],
-            None if tree.confidence is None else [tree.confidence[n] for n in keep])
+            token_ids=[tree.token_ids[n] for n in keep], parents=[-1] + [index[tree.parents[n]] for n in keep[1:]],
+            draft_probs=None if tree.draft_probs is None else tree.draft_probs[keep],
+            confidence=None if tree.confidence is None else [tree.confidence[n] for n in keep])
         return pruned, tree.size - len(keep)
 
     def shaping(self, tree: DraftTree, tokens: list[int]) -> Shaping:

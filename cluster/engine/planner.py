@@ -141,8 +141,8 @@ def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
     index = {node: i for i, node in enumerate(nodes)}
     confidence = None if tree.confidence is None else [tree.confidence[n] for n in nodes]
     probs = None if tree.draft_probs is None else tree.draft_probs[nodes]
-    return DraftTree([tree.token_ids[n] for n in nodes], [-1] + [index[tree.parents[n]] for n in nodes[1:]],
-                     probs, confidence)
+    return DraftTree(token_ids=[tree.token_ids[n] for n in nodes], parents=[-1] + [index[tree.parents[n]] for n in nodes[1:]],
+                     draft_probs=probs, confidence=confidence)
 
 
 @dataclass

@@ -58,7 +58,8 @@ class GenerationOutput:
     @classmethod
     def refused(cls, request: GenerationRequest, reason: str) -> GenerationOutput:
         """The output of a request the engine would not take."""
-        return cls(request.request_id, [], "", "error", RequestStats(), 0.0, reason)
+        return cls(request_id=request.request_id, token_ids=[], text="", finish_reason="error", stats=RequestStats(), seconds=0.0,
+                   error=reason)
 
     @property
     def mean_accepted_tokens(self) -> float:

@@ -84,6 +84,7 @@ class ActiveRequest:
 
     def final_output(self) -> GenerationOutput:
         seconds = time.perf_counter() - self.started
-        return GenerationOutput(self.request_id, self.output, self.text.text(), self.finish_reason,
-                                self.stats, seconds, self.error, self.finish_detail,
-                                None if self.request.logprobs is None else self.logprobs)
+        return GenerationOutput(request_id=self.request_id, token_ids=self.output, text=self.text.text(),
+                                finish_reason=self.finish_reason, stats=self.stats, seconds=seconds, error=self.error,
+                                finish_detail=self.finish_detail,
+                                logprobs=None if self.request.logprobs is None else self.logprobs)

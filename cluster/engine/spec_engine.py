@@ -214,8 +214,8 @@ class SpecEngine:
         requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
         outgoing = self._sent[index].outgoing(requests)
         submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
-        future = self.drafters[index].submit("propose", outgoing)
-        return _PendingDraft(future, index, [r.request_id for r in requests], submitted, sum(len(r.token_ids) for r in outgoing))
+        return _PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
+                             request_ids=[r.request_id for r in requests], rows=sum(len(r.token_ids) for r in outgoing))
 
     def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
@@ -386,7 +386,8 @@ class SpecEngine:
         refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in waiting]
         for state in preempted:
             state.fail(reason)
-            refused.append(StepEvent(state.request_id, [], state.final_output(), state.text.finish()))
+            refused.append(StepEvent(request_id=state.request_id, new_token_ids=[], finished=state.final_output(),
+                                     text=state.text.finish()))
         return refused
 
     @property
@@ -409,7 +410,7 @@ class SpecEngine:
     def _finished_event(self, state: ActiveRequest, new: list[int] = (), text: str = "",
                         notify_target: bool = True) -> StepEvent:
         output = self._finish(state, notify_target)
-        return StepEvent(state.request_id, list(new), output, text + state.text.finish())
+        return StepEvent(request_id=state.request_id, new_token_ids=list(new), finished=output, text=text + state.text.finish())
 
     def _finish(self, state: ActiveRequest, notify_target: bool = True) -> GenerationOutput:
         """Free the request's caches everywhere and build its output."""

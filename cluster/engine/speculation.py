@@ -128,8 +128,9 @@ class SpeculationController:
                 depth = min(depth, depth_cap)
             nodes = min(config.max_tree_nodes, share, room)
             if depth > 0 and nodes > 0:
-                drafts.append(DraftRequest(request.request_id, list(state.tokens), depth, nodes,
-                                           policy.confidence_threshold, request.sampling,
+                drafts.append(DraftRequest(request_id=request.request_id, token_ids=list(state.tokens),
+                                           num_speculative_tokens=depth, max_nodes=nodes,
+                                           confidence_threshold=policy.confidence_threshold, sampling=request.sampling,
                                            penalties=request.penalties, prompt_length=len(request.prompt_ids),
                                            cache_scope=request.cache_scope))
         return drafts

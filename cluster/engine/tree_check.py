@@ -22,7 +22,7 @@ def tree_problem(tree: object, tokens: Sequence[int], vocab_size: int | None, ma
     if not isinstance(tree, DraftTree):
         return f"a {type(tree).__name__}, not a DraftTree"
     try:  # a tree that crossed a process boundary was unpickled without its constructor's checks
-        DraftTree(tree.token_ids, tree.parents, tree.draft_probs, tree.confidence)
+        DraftTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs, confidence=tree.confidence)
     except Exception as error:
         return f"malformed ({error})"
     if tree.token_ids[0] != tokens[-1]:

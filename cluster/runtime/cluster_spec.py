@@ -121,14 +121,15 @@ class ClusterSpec(BaseModel):
 
     def target_role(self) -> Role:
         """All target groups' bundles and the labels of the nodes that may hold them."""
-        return Role("target groups", self.target_bundles() * self.num_target_groups, self.target_node_labels,
-                    f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size}")
+        return Role(role="target groups", bundles=self.target_bundles() * self.num_target_groups, labels=self.target_node_labels,
+                    arithmetic=f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size}")
 
     def draft_role(self) -> Role | None:
         """The draft actors' bundles and the labels of their nodes; None when no draft actor is placed."""
         if not self.draft_actor_count:
             return None
-        return Role("draft actors", self.draft_bundles(), self.draft_node_labels, f"{self.draft_actor_count} draft actors")
+        return Role(role="draft actors", bundles=self.draft_bundles(), labels=self.draft_node_labels,
+                    arithmetic=f"{self.draft_actor_count} draft actors")
 
     def roles(self) -> list[Role]:
         return [role for role in (self.target_role(), self.draft_role()) if role is not None]

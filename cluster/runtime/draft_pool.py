@@ -98,8 +98,9 @@ class DraftPool:
         ready, _ = ray.wait([group.ready()], timeout=self.spec.placement_timeout_s)
         if not ready:
             remove_placement_group(group)
+            labels = self.spec.draft_node_labels
             raise PlacementError(f"draft pool {self.pool.name!r}: a drafter ({_describe(draft)}"
-                                 f"{' on nodes labelled ' + str(self.spec.draft_node_labels) if self.spec.draft_node_labels else ''})"
+                                 f"{' on nodes labelled ' + str(labels) if labels else ''})"
                                  f" could not be placed within {self.spec.placement_timeout_s:g} s")
         actor = ray.remote(DraftWorker).options(
             max_restarts=-1, num_gpus=draft.get("GPU", 0.0), num_cpus=draft.get("CPU", 0.0),

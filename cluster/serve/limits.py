@@ -14,7 +14,8 @@ class ServiceLimits(BaseModel):
 
     max_prompt_tokens: int = Field(1536, ge=1, description="longest prompt accepted, in tokens")
     max_new_tokens: int = Field(512, ge=1, description="most tokens one request may ask for")
-    max_concurrent_requests: int = Field(64, ge=1, description="requests in flight per replica; more are refused with 503 / RESOURCE_EXHAUSTED")
+    max_concurrent_requests: int = Field(
+        64, ge=1, description="requests in flight per replica; more are refused with 503 / RESOURCE_EXHAUSTED")
     max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give")
     max_stop_string_chars: int = Field(
         64, ge=1, description="longest stop string, in characters: streamed text is held back by this much "

@@ -55,12 +55,15 @@ class ServingMetrics:
         d = NAMES
         self.requests = Counter("specserve_requests", d["specserve_requests"], tag_keys=("finish_reason", "protocol"))
         self.tokens = Counter("specserve_generated_tokens", d["specserve_generated_tokens"])
-        self.ttft = Histogram("specserve_time_to_first_token_seconds", d["specserve_time_to_first_token_seconds"], LATENCY_BUCKETS)
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", d["specserve_time_to_first_token_seconds"],
+                              LATENCY_BUCKETS)
         self.itl = Histogram("specserve_inter_token_latency_seconds", d["specserve_inter_token_latency_seconds"], LATENCY_BUCKETS)
         self.drafted = Counter("specserve_drafted_tokens", d["specserve_drafted_tokens"])
         self.accepted = Counter("specserve_accepted_tokens", d["specserve_accepted_tokens"])
-        self.accepted_by_position = Counter("specserve_accepted_by_position", d["specserve_accepted_by_position"], tag_keys=("position",))
-        self.drafted_by_position = Counter("specserve_drafted_by_position", d["specserve_drafted_by_position"], tag_keys=("position",))
+        self.accepted_by_position = Counter("specserve_accepted_by_position", d["specserve_accepted_by_position"],
+                                            tag_keys=("position",))
+        self.drafted_by_position = Counter("specserve_drafted_by_position", d["specserve_drafted_by_position"],
+                                           tag_keys=("position",))
         self.mean_accepted = Gauge("specserve_mean_accepted_tokens", d["specserve_mean_accepted_tokens"])
         self.draft_step = Gauge("specserve_draft_step_seconds", d["specserve_draft_step_seconds"])
         self.verify_step = Gauge("specserve_verify_step_seconds", d["specserve_verify_step_seconds"])
@@ -121,7 +124,8 @@ class ServingMetrics:
                                       (self.drafter_failures, {"kind": "bad_tree"}, now.bad_trees - self._last.bad_trees),
                                       (self.target_failures, None, now.target_failures - self._last.target_failures),
                                       (self.prompt_tokens, None, now.prompt_tokens - self._last.prompt_tokens),
-                                      (self.cached_prompt_tokens, None, now.cached_prompt_tokens - self._last.cached_prompt_tokens),
+                                      (self.cached_prompt_tokens, None,
+                                       now.cached_prompt_tokens - self._last.cached_prompt_tokens),
                                       (self.preemptions, None, now.preemptions - self._last.preemptions)):
             if change > 0:
                 counter.inc(change, tags=tags)

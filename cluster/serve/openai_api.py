@@ -183,7 +183,8 @@ async def _complete(served: ServedModels, request: Request, chat: bool) -> Respo
     call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers)
     service = call.service
     strings = service.token_strings if call.logprobs else None
-    shape = ResponseShape(("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), service.model_id, chat, strings)
+    shape = ResponseShape(id=("chatcmpl-" if chat else "cmpl-") + request_id, created=int(time.time()), model=service.model_id,
+                          chat=chat, strings=strings)
     if call.stream:
         first, events = await _start(call)
         finished = first[1].finished

@@ -167,7 +167,8 @@ def _response_format(value) -> dict | None:
     """OpenAI's response_format as a StructuredOutput (None for text)."""
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
         raise InvalidRequest("response_format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                                                "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+                                                "{\"type\": \"json_schema\", "
+                                                "\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
@@ -250,7 +251,8 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     if stream and len(samples.requests) > samples.n:
         raise InvalidRequest("best_of", "cannot be streamed (the best samples are known only at the end); "
                                         "drop stream or best_of")
-    return Call(service, samples, stream, include_usage, fields["logprobs"] is not None)
+    return Call(service=service, samples=samples, stream=stream, include_usage=include_usage,
+                logprobs=fields["logprobs"] is not None)
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -224,8 +224,9 @@ class RequestBuilder:
             raise InvalidRequest("speculation.method", f"this deployment drafts with {self.method!r}; use it, 'default' or 'off'")
         self._check_stop(options.stop)
         request = GenerationRequest(
-            request_id or uuid.uuid4().hex, self._prompt_ids(options), sampling, max_new_tokens,
-            list(options.stop), speculate=method not in ("off", "none") and self.method != "none",
+            request_id=request_id or uuid.uuid4().hex, prompt_ids=self._prompt_ids(options), sampling=sampling,
+            max_new_tokens=max_new_tokens, stop=list(options.stop),
+            speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
             logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
             cache_scope=self._cache_scope(options.tenant),

@@ -197,7 +197,7 @@ def _medusa(config: dict, tensors) -> HeadCheckpoint:
                         lm_head.shape[0], shared, bias)
     tensors.setdefault("token_map", torch.arange(lm_head.shape[0]))
     _load(heads, tensors, "Medusa")
-    return HeadCheckpoint("medusa", heads, _verifier(config), config.get("medusa_choices"))
+    return HeadCheckpoint(kind="medusa", module=heads, verifier=_verifier(config), medusa_choices=config.get("medusa_choices"))
 
 
 # ---- writing ---------------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ class TreeModel(Protocol):
     def scratch_size(self, seq_id: str) -> int: ...
 
     def forward(self, inputs: Sequence[TreeInput]) -> list[torch.Tensor | None]:
-        """Logits [n, V] of each input's new tokens (None where not wanted)."""
+        """Per input, as its `logits` asks: "all" the next-token logits [n, V] of its n new tokens,
+        "last" [1, V], "argmax" the likeliest token ids [n], "none" None (None too without tokens)."""
 
     def commit(self, seq_id: str, scratch_nodes: Sequence[int]) -> None:
         """Keep these scratch nodes (a root-to-node path, ascending) as committed; drop the rest."""

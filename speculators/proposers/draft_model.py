@@ -145,7 +145,8 @@ class DraftModelProposer(Proposer):
         drafts = []
         for request, logits in zip(requests, root_logits):
             noise = DraftNoise(request.sampling, len(request.token_ids), logits.device)
-            draft = _Draft(request, [request.token_ids[-1]], [-1], [None], [1.0], noise=noise)
+            draft = _Draft(request=request, tree_tokens=[request.token_ids[-1]], tree_parents=[-1], probs_rows=[None],
+                           confidence=[1.0], noise=noise)
             if request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.open_branches = [_Branch(0, logits)]
             drafts.append(draft)
@@ -186,11 +187,11 @@ class DraftModelProposer(Proposer):
             room -= count
             if request.sampling.greedy:
                 confidence, tokens = torch.topk(draft.penalized(branch).float().softmax(-1), count)
-                choices.append(_Choice(branch, tokens, confidence, None))
+                choices.append(_Choice(branch=branch, tokens=tokens, confidence=confidence, q=None))
                 continue
             q = warp(draft.penalized(branch), request.sampling)
             tokens = draft.noise.draw(q, count, depth)
-            choices.append(_Choice(branch, tokens, q[tokens], q))
+            choices.append(_Choice(branch=branch, tokens=tokens, confidence=q[tokens], q=q))
         return choices
 
     def _grow(self, draft: _Draft, depth: int, chosen: list[tuple[_Choice, list[int], list[float]]]) -> list[int]:
@@ -217,7 +218,7 @@ class DraftModelProposer(Proposer):
         probs = None
         if draft.request.sampling.rejection and len(draft.tree_tokens) > 1:
             probs = tree_draft_probs(draft.probs_rows[1:])
-        return DraftTree(draft.tree_tokens, draft.tree_parents, probs, draft.confidence)
+        return DraftTree(token_ids=draft.tree_tokens, parents=draft.tree_parents, draft_probs=probs, confidence=draft.confidence)
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Keep the drafted K/V on the accepted path; the rest of the draft's scratch is dropped."""

@@ -177,7 +177,8 @@ class EagleProposer(Proposer):
             state = self._committed[request.request_id]
             root = request.token_ids[-1]
             noise = DraftNoise(request.sampling, len(request.token_ids), self.head.fc.weight.device)
-            draft = _Draft(request, len(request.token_ids) - 2, [_Node(root, -1, 0, 1.0, 1.0)], noise=noise)
+            root_node = _Node(token=root, parent=-1, depth=0, value=1.0, own=1.0)
+            draft = _Draft(request, len(request.token_ids) - 2, [root_node], noise=noise)
             ready = state.last_logits is not None and state.end == len(request.token_ids) - 1
             if ready and request.num_speculative_tokens > 0 and request.max_nodes > 0:
                 draft.out[0], draft.logits[0] = state.last_hidden, state.last_logits
@@ -242,7 +243,8 @@ class EagleProposer(Proposer):
             if count <= 0:
                 break
             for token, own, q in self._choose(draft, draft.logits[parent], count, depth):
-                draft.nodes.append(_Node(token, parent, depth, draft.nodes[parent].value * own, own, q))
+                draft.nodes.append(_Node(token=token, parent=parent, depth=depth, value=draft.nodes[parent].value * own, own=own,
+                                         q=q))
                 new.append(len(draft.nodes) - 1)
         more = depth < request.num_speculative_tokens
         open_nodes = [n for n in new if more and draft.nodes[n].own >= request.confidence_threshold]
@@ -273,5 +275,5 @@ class EagleProposer(Proposer):
         probs = None
         if draft.request.sampling.rejection and len(nodes) > 1:
             probs = tree_draft_probs([n.q for n in nodes[1:]])
-        return DraftTree([n.token for n in nodes], [-1, *(index[n.parent] for n in nodes[1:])], probs,
-                         [n.own for n in nodes])
+        return DraftTree(token_ids=[n.token for n in nodes], parents=[-1, *(index[n.parent] for n in nodes[1:])],
+                         draft_probs=probs, confidence=[n.own for n in nodes])

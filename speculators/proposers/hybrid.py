@@ -10,8 +10,9 @@ context alone, never on what the head drafted or sampled, so sampled output stay
 The head runs only for the requests suffix decoding leaves to it: the hidden states of steps the
 suffix tree won wait here and reach the head with its next draft for that request, as one longer
 catch-up. A call costs a fixed part besides its rows, so a step that suffix decoding serves alone
-costs no head call at all (on translation the hybrid kept pace with suffix decoding's tokens a
-pass but paid ~2.7 ms a pass for head calls that drafted nothing).
+costs no head call at all (on translation the hybrid kept pace with suffix decoding's tokens a pass
+but paid for head calls that drafted nothing; figures: docs/benchmarks.md,
+"Measurements behind the code").
 """
 from __future__ import annotations
 

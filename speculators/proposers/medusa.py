@@ -126,4 +126,4 @@ class MedusaProposer(Proposer):
         draft_probs = None
         if request.sampling.rejection and len(tokens) > 1:
             draft_probs = tree_draft_probs(rows[1:])
-        return DraftTree(tokens, parents, draft_probs, confidence)
+        return DraftTree(token_ids=tokens, parents=parents, draft_probs=draft_probs, confidence=confidence)

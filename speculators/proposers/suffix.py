@@ -9,10 +9,10 @@ occurred before?":
   draft actor serves every target group of a replica and learns from all of them, but a request
   drafts only from outputs learned under its own scope, so drafted counts reveal nothing of other
   tenants' outputs), bounded to `max_cached_tokens` tokens and `max_cached_bytes` bytes over all
-  scopes, oldest outputs evicted first. The trie is path-compressed (on Spec-Bench text, ~370 bytes
-  and 2-5 us of learning per learned token, against ~5.5 KB and ~55 us with a node per token
-  position; bench/suffix_index.py), and learns in short steps that a draft worker runs between its
-  calls.
+  scopes, oldest outputs evicted first. The trie is path-compressed (on Spec-Bench text, a small
+  fraction of the memory and learning time of a node per token position; bench/suffix_index.py,
+  figures: docs/benchmarks.md, "Measurements behind the code"), and learns in short steps that a
+  draft worker runs between its calls.
 Each gives a tree of its likeliest continuations, taken best first by frequency; the two are
 merged into one tree (the planner keeps what pays). A draft's size adapts to the evidence: at
 most `max_spec_factor` tokens per matched token, nodes down to `min_token_prob`.
@@ -32,13 +32,14 @@ MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, MAX_CACHED_TOKENS = 24, 4.0, 0.1, 65
 factor of 4 measured best here once the planner trims what does not pay."""
 MAX_CACHED_BYTES = 64 << 20
 """Default memory bound of the learned outputs (all scopes together), as SuffixCache.bytes estimates
-it: at ~440 estimated bytes per learned token on Spec-Bench text (bench/suffix_index.py), the default
-token bound (~29 MB) binds first; this one stops text that shares less from costing more."""
+it: on Spec-Bench text (bench/suffix_index.py) the default token bound binds first; this one stops
+text that shares less from costing more (figures: docs/benchmarks.md,
+"Measurements behind the code")."""
 
 
 LEARN_STEP_SUFFIXES = 16
-"""Suffixes inserted (or removed) per step of learning in steps (`SuffixCache.adding`): ~0.1 ms of
-work, the longest a draft call waits for a background learner (actors/draft_worker.py)."""
+"""Suffixes inserted (or removed) per step of learning in steps (`SuffixCache.adding`): a short
+step of work, the longest a draft call waits for a background learner (actors/draft_worker.py)."""
 NODE_BYTES, DICT_BYTES, LABEL_TOKEN_BYTES = 104, 360, 8
 DOCUMENT_TOKEN_BYTES, ROOT_ENTRY_BYTES, TRIE_BYTES = 40, 72, 1024
 """Memory of the index by part, measured with tracemalloc (bench/suffix_index.py) and rounded up so

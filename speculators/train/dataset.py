@@ -90,7 +90,7 @@ class FeatureStore:
             offset = rows = 0
             for length, prompt, held, index in zip(data["lengths"].tolist(), data["prompt_lengths"].tolist(),
                                                    data["held_out"].tolist(), data["index"].tolist()):
-                examples.append(Example(index, data["tokens"][offset:offset + length].long(),
-                                        hidden[rows:rows + length - 1], prompt, bool(held)))
+                examples.append(Example(index=index, tokens=data["tokens"][offset:offset + length].long(),
+                                        hidden=hidden[rows:rows + length - 1], prompt_length=prompt, held_out=bool(held)))
                 offset, rows = offset + length, rows + length - 1
         return examples

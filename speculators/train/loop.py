@@ -40,8 +40,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     autocast: bool = True
-    """Matrix products in bfloat16 (weights and optimizer stay float32): 4-5x faster on CPUs with
-    AVX512-BF16 and on GPUs."""
+    """Matrix products in bfloat16 (weights and optimizer stay float32): several times faster on CPUs
+    with AVX512-BF16 and on GPUs (figures: docs/benchmarks.md, "Measurements behind the code")."""
 
 
 CHECKPOINT = "checkpoint.safetensors"

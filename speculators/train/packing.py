@@ -58,7 +58,8 @@ def pack(examples: Sequence[Example], dtype: torch.dtype = torch.float32) -> Pac
         length.append(torch.full((rows,), count))
         prompt.append(torch.full((rows,), example.prompt_length))
         offset += count
-    return Packed(torch.cat(hidden).to(dtype), torch.cat(tokens), *(torch.cat(x) for x in (sequence, local, first, length, prompt)))
+    return Packed(hidden=torch.cat(hidden).to(dtype), tokens=torch.cat(tokens), sequence=torch.cat(sequence),
+                  local=torch.cat(local), first_token=torch.cat(first), length=torch.cat(length), prompt=torch.cat(prompt))
 
 
 def batches(examples: Sequence[Example], max_rows: int, seed: int) -> list[list[int]]:

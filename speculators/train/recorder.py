@@ -91,5 +91,5 @@ class AnswerRecorder:
             if rows is None:
                 continue
             tokens = torch.tensor(ids + answer)[: rows.shape[0] + 1]
-            examples.append(Example(index, tokens, rows, len(ids), held_out))
+            examples.append(Example(index=index, tokens=tokens, hidden=rows, prompt_length=len(ids), held_out=held_out))
         return examples
