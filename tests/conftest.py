@@ -96,6 +96,28 @@ def default_model_path():
     return resolve_model(DEFAULT_MODEL)
 
 
+DEFAULT_MODEL_CPU_CURVE = [(1, 0.0447), (2, 0.0436), (4, 0.0636), (8, 0.0847), (16, 0.1110), (32, 0.1543), (64, 0.2539)]
+"""(tokens, seconds) of one-sequence verification passes of the default target, measured on the
+2-core CPU the suite runs on (2026-12-03, as `measure` measures them)."""
+
+
+@pytest.fixture(scope="session")
+def default_model_cost_curve(default_model_path):
+    """The default target's cost curve, given where this process's one-sequence engines (build_engine
+    as the command line and `bench specbench` build it) read theirs: they plan on it instead of
+    measuring one (seconds on a CPU). The planner's drafting is what their tests run, not the timing."""
+    import json
+
+    from cluster.engine.build import cost_key_of
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.cost import CostCurve, CostPoint, curves_folder
+
+    curve = CostCurve([CostPoint(tokens, 1, seconds) for tokens, seconds in DEFAULT_MODEL_CPU_CURVE])
+    key = cost_key_of(EngineConfig(model=str(default_model_path), max_sequences=1))
+    (curves_folder() / f"{key}.json").write_text(json.dumps(curve.to_json()))
+    return curve
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_path):
     """A tiny random Llama saved as a Hugging Face directory (with the default model's tokenizer,

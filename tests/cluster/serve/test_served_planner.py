@@ -13,7 +13,7 @@ from ray import serve
 
 from cluster.engine.build import cost_key_of
 from cluster.engine.config import EngineConfig
-from cluster.engine.cost import CostCurve, CostPoint, TOKEN_POINTS, curves_folder
+from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.serve.app import build_app
 from tests.cluster.ray_fixtures import ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)
 
