@@ -51,6 +51,39 @@ def cost_curves_in_a_temporary_folder(tmp_path_factory):
     os.environ["SPECSERVE_COST_CURVES"] = str(tmp_path_factory.mktemp("cost-curves"))
 
 
+SHARED_RAY = "shared_ray"
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected, and after --lf / --ff reorder
+def pytest_collection_modifyitems(items):
+    """The modules on the shared Ray (those whose tests ask for it, directly or through a fixture) run
+    last, one after another in their usual order: Ray starts once for all of them, lives from the
+    first to the end of the session, and is never running when a module starts a cluster of its own."""
+    shared = {item.path for item in items if SHARED_RAY in item.fixturenames}
+    items[:] = [item for item in items if item.path not in shared] + [item for item in items if item.path in shared]
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """One local Ray (2 CPUs, 4 fake GPUs) for every module that asks for it (through `ray_four_gpus`,
+    which also waits for it to be idle), instead of one started per module (seconds each)."""
+    from tests.cluster.ray_fixtures import local_ray
+
+    with local_ray(num_gpus=4):
+        yield
+
+
+@pytest.fixture(scope="session")
+def shared_serve_ports(shared_ray):
+    """(HTTP port, gRPC port) of the one Serve instance on the shared Ray, started by the first module
+    that deploys to it (through `shared_serve`, which deletes each module's applications)."""
+    from tests.cluster.ray_fixtures import free_port, serve_started
+
+    http_port, grpc_port = free_port(), free_port()
+    with serve_started(grpc_port, {"host": "127.0.0.1", "port": http_port}):
+        yield http_port, grpc_port
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_pair()
@@ -61,6 +94,28 @@ def default_model_path():
     from actors.model.loader import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+DEFAULT_MODEL_CPU_CURVE = [(1, 0.0447), (2, 0.0436), (4, 0.0636), (8, 0.0847), (16, 0.1110), (32, 0.1543), (64, 0.2539)]
+"""(tokens, seconds) of one-sequence verification passes of the default target, measured on the
+2-core CPU the suite runs on (2026-12-03, as `measure` measures them)."""
+
+
+@pytest.fixture(scope="session")
+def default_model_cost_curve(default_model_path):
+    """The default target's cost curve, given where this process's one-sequence engines (build_engine
+    as the command line and `bench specbench` build it) read theirs: they plan on it instead of
+    measuring one (seconds on a CPU). The planner's drafting is what their tests run, not the timing."""
+    import json
+
+    from cluster.engine.build import cost_key_of
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.cost import CostCurve, CostPoint, curves_folder
+
+    curve = CostCurve([CostPoint(tokens, 1, seconds) for tokens, seconds in DEFAULT_MODEL_CPU_CURVE])
+    key = cost_key_of(EngineConfig(model=str(default_model_path), max_sequences=1))
+    (curves_folder() / f"{key}.json").write_text(json.dumps(curve.to_json()))
+    return curve
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,10 @@ from actors.target_group import TargetGroup
 from actors.target_worker import CacheOptions
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
-from tests.cluster.ray_fixtures import local_ray
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.conftest import tiny_hf_config
 
+pytestmark = pytest.mark.usefixtures("ray_four_gpus")
 CALL_TIMEOUT_S = 60
 
 
@@ -33,12 +34,6 @@ class Case:
     prompt: list[int]
     vocab_size: int
     new_tokens: int
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray(num_gpus=4):
-        yield
 
 
 @pytest.fixture(scope="module")

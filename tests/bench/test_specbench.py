@@ -187,7 +187,7 @@ def test_hf_assisted_uses_a_draft_model(fake_hf):
 
 
 @pytest.mark.default_model
-def test_short_run_writes_the_documented_report(tmp_path):
+def test_short_run_writes_the_documented_report(tmp_path, default_model_cost_curve):
     questions = write_questions(tmp_path / "question.jsonl", [
         {"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]},
         {"question_id": 2, "category": "qa", "turns": ["Name three primary colors."]},

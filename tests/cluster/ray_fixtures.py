@@ -1,13 +1,19 @@
-"""A private local Ray cluster with fake GPUs, started once per test module.
+"""Local Ray clusters with fake GPUs, and Serve on them.
 
 Fake GPUs (`num_gpus=4` on a machine without any) are enough for placement: Ray still hands each actor
 its own `ray.get_gpu_ids()`, and the actors compute on the CPU. `address="local"` starts a new cluster
 even when another one runs on this machine, and token auth is off so the cluster can be shut down.
+
+Most modules share one such cluster (tests/conftest.py's `shared_ray`, started once and run last: a
+start costs seconds): they ask for `ray_four_gpus`, and those that deploy an app to Serve on it for
+`shared_serve`. A module that needs a cluster of its own (other resources, several nodes, a Ray
+session's logs to itself) starts one with `local_ray` or `serve_on_local_ray`.
 """
 from __future__ import annotations
 
 import random
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,8 +41,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_ray(num_gpus: int) -> Iterator[None]:
-    """Ray on 2 CPUs and `num_gpus` fake GPUs, shut down on exit."""
+def local_ray(num_gpus: int | None = None) -> Iterator[None]:
+    """Ray on 2 CPUs and `num_gpus` fake GPUs (None: the machine's own), shut down on exit."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False)
@@ -46,29 +52,60 @@ def local_ray(num_gpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
+def wait_until_idle(timeout_s: float = 60) -> None:
+    """Until every CPU and GPU of the cluster is free, as a module starting its own finds it: what
+    the previous module ended (clusters, placement groups) gives its resources back asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        held = {name: total[name] - free.get(name, 0.0) for name in ("CPU", "GPU") if free.get(name, 0.0) < total.get(name, 0)}
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            groups = [group["name"] for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED"]
+            raise RuntimeError(f"the shared Ray still holds {held} {timeout_s} s after the previous module ended "
+                               f"(placement groups not removed: {groups})")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def ray_four_gpus() -> Iterator[None]:
-    with local_ray(num_gpus=4):
-        yield
+def ray_four_gpus(shared_ray) -> Iterator[None]:
+    """The shared Ray (2 CPUs, 4 fake GPUs) with all of it free when the module starts."""
+    wait_until_idle()
+    yield
 
 
 @contextmanager
-def serve_on_local_ray(grpc_port: int, http_options: dict) -> Iterator[None]:
-    """A private Ray (2 CPUs) with Serve's proxies started (gRPC on `grpc_port` with the app's
-    servicers, HTTP as `http_options` say); Serve and Ray shut down on exit."""
+def serve_started(grpc_port: int, http_options: dict) -> Iterator[None]:
+    """Serve's proxies started on this process's Ray (gRPC on `grpc_port` with the app's servicers,
+    HTTP as `http_options` say); Serve shut down on exit."""
     from ray import serve
 
     from cluster.serve.app import GRPC_SERVICERS
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        try:
-            serve.start(http_options=http_options, grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
-            yield
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    serve.start(http_options=http_options, grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+    try:
+        yield
+    finally:
+        serve.shutdown()
+
+
+@contextmanager
+def serve_on_local_ray(grpc_port: int, http_options: dict) -> Iterator[None]:
+    """A private Ray (2 CPUs) with Serve's proxies started; Serve and Ray shut down on exit."""
+    with local_ray(), serve_started(grpc_port, http_options):
+        yield
+
+
+@pytest.fixture(scope="module")
+def shared_serve(ray_four_gpus, shared_serve_ports) -> Iterator[tuple[int, int]]:
+    """(HTTP port, gRPC port) of Serve on the shared Ray; the applications the module deployed are
+    deleted when it ends (their replicas give their CPUs back before the next module starts)."""
+    from ray import serve
+
+    yield shared_serve_ports
+    for name in serve.status().applications:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from specserve.cli import main
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("method", ["none", "pld", "draft"])
-def test_generate_json(capsys, method):
+def test_generate_json(capsys, method, default_model_cost_curve):
     code = main(["generate", "List three colors: red, green, and blue. List them again: red,", "--method", method,
                  "--max-new-tokens", "12", "--json"])
     assert code == 0
@@ -20,7 +20,7 @@ def test_generate_json(capsys, method):
 
 
 @pytest.mark.default_model
-def test_generate_chat_prints_text_and_a_stats_line(capsys):
+def test_generate_chat_prints_text_and_a_stats_line(capsys, default_model_cost_curve):
     assert main(["generate", "Say hello.", "--chat", "--max-new-tokens", "8", "--method", "pld"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip()

@@ -196,7 +196,7 @@ def test_stop_strings_cut_the_text(tiny_model, plain_outputs):
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("method", ["pld", "draft"])
-def test_default_model_greedy_is_identical(default_model_path, method):
+def test_default_model_greedy_is_identical(default_model_path, default_model_cost_curve, method):
     from cluster.engine.config import EngineConfig
     from cluster.engine.build import build_engine
 

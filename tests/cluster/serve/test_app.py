@@ -14,13 +14,13 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
-from cluster.serve.app import GRPC_SERVICERS, build_app
+from cluster.serve.app import build_app
 from cluster.engine.config import EngineConfig
 from cluster.engine.build import build_engine
 from cluster.engine.request import GenerationRequest
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
-from tests.cluster.ray_fixtures import free_port
+from tests.cluster.ray_fixtures import ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)
 
 pytestmark = pytest.mark.default_model
 PROMPT = "List the first five prime numbers, separated by commas:"
@@ -34,22 +34,10 @@ ARGS = {
 
 
 @pytest.fixture(scope="module")
-def ports(monkeypatch_module):
-    monkeypatch_module.setenv("RAY_AUTH_MODE", "disabled")
-    http_port, grpc_port = free_port(), free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICERS})
+def ports(shared_serve):
+    """(HTTP port, gRPC port) of the app, deployed to Serve on the shared Ray."""
     serve.run(build_app(ARGS), name="specserve", route_prefix="/")
-    yield http_port, grpc_port
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
+    return shared_serve
 
 
 @pytest.fixture(scope="module")

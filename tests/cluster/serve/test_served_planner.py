@@ -13,9 +13,9 @@ from ray import serve
 
 from cluster.engine.build import cost_key_of
 from cluster.engine.config import EngineConfig
-from cluster.engine.cost import CostCurve, CostPoint, TOKEN_POINTS
+from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.serve.app import build_app
-from tests.cluster.ray_fixtures import free_port
+from tests.cluster.ray_fixtures import ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [3] * 12, [7, 8, 9, 7, 8, 9, 7, 8], list(range(10, 30)) * 2]
 STEP_S = 0.01
@@ -27,19 +27,10 @@ def curve(seconds_per_extra_token: float) -> CostCurve:
 
 
 @pytest.fixture(scope="module")
-def http_port(tmp_path_factory, tiny_model_dir):
-    folder = tmp_path_factory.mktemp("cost-curves")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_AUTH_MODE", "disabled")
-        patch.setenv("SPECSERVE_COST_CURVES", str(folder))  # the replica and its actors inherit it
-        port = free_port()
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield port, folder
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+def http_port(shared_serve):
+    """The HTTP port of Serve on the shared Ray, and the session's cost-curve folder, which the Ray's
+    workers (the replica, its actors) inherited from this process's environment."""
+    return shared_serve[0], curves_folder()
 
 
 ENGINE = {"max_sequences": 4, "max_len": 128}
