@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "speculation off, 1 to 32 requests in flight", formatter_class=defaults)
     serve_bench.add_arguments(served)
     served.set_defaults(func=serve_bench.run)
-    peers = bench_sub.add_parser("side-by-side", help="vLLM's CPU build (defaults, tuned, n-gram) and `make serve` "
+    peers = bench_sub.add_parser("side-by-side", help="vLLM's CPU build (out of the box, tuned, n-gram) and `make serve` "
                                  "(speculation on, off), one server at a time, the same prompts and client",
                                  formatter_class=defaults)
     side_by_side.add_arguments(peers)

@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import yaml
 from jsonschema import Draft7Validator
-
 from ray.autoscaler._private.kuberay.autoscaling_config import (
     _HEAD_GROUP_NAME,
     _derive_autoscaling_config_from_ray_cr,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.messages import AdmitItem, Preempted, VerifyItem
 from actors.model.block_pool import BlockPool, CacheFullError
 from actors.model.runner import ModelRunner
-from actors.messages import AdmitItem, Preempted, VerifyItem
 from actors.target_worker import CacheOptions, TargetWorker
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams

@@ -35,7 +35,8 @@ def test_a_prompt_admitted_later_reuses_the_computed_blocks_of_an_identical_one(
     expected = alone.runner.forward([TreeInput("x", tree.token_ids, tree.parents)])[0]
     for seq_id in "abd":
         assert worker.runner.committed_length(seq_id) == len(PROMPT) - 1
-        torch.testing.assert_close(worker.runner.forward([TreeInput(seq_id, tree.token_ids, tree.parents)])[0], expected, rtol=0, atol=0)
+        logits = worker.runner.forward([TreeInput(seq_id, tree.token_ids, tree.parents)])[0]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         worker.runner.truncate(seq_id, len(PROMPT) - 1)
 
 

@@ -5,8 +5,8 @@ import copy
 
 import torch
 
-from bench.greedy_agreement import decode, divergence_at, measure_agreement, oracle_drafter
 from actors.target_worker import TargetWorker
+from bench.greedy_agreement import decode, divergence_at, measure_agreement, oracle_drafter
 from tests.conftest import tiny_pair
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2)

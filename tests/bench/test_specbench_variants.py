@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from bench.specbench import comma_list, method_variant, variant_config, METHODS
+from bench.specbench import METHODS, comma_list, method_variant, variant_config
 from specserve.cli import build_parser
 
 

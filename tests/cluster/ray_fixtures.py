@@ -20,7 +20,6 @@ from contextlib import contextmanager
 import pytest
 import ray
 
-
 PORTS = range(20000, 32000)
 """Where test servers listen: above Ray's worker ports (10002-19999) and below Linux's ephemeral
 range (32768-60999). A port the kernel hands out as free (bind to port 0) comes from that range,

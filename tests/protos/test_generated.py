@@ -13,7 +13,8 @@ def test_generated_modules_match_the_proto(tmp_path):
             str(tmp_path / "protos" / "specserve.proto")]
     assert protoc.main(args) == 0
     for name in ("specserve_pb2.py", "specserve_pb2_grpc.py"):
-        assert (tmp_path / "protos" / name).read_text() == (ROOT / "protos" / name).read_text(), f"{name} is stale: run make protos"
+        fresh = (tmp_path / "protos" / name).read_text()
+        assert fresh == (ROOT / "protos" / name).read_text(), f"{name} is stale: run make protos"
 
 
 def test_service_has_the_methods_the_router_serves():

@@ -12,9 +12,9 @@ from actors.model.heads import TRAINED_HEADS, resolve_head, trained_heads
 from cluster.engine.build import build_engine
 from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
+from specserve.cli import main
 from speculators.heads.checkpoint import load_head
 from speculators.lookahead import LookaheadConfig
-from specserve.cli import main
 from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, random_medusa
 
 

@@ -92,8 +92,8 @@ def tiny_training_data(model, prompts: int = 128, new_tokens: int = 32, seed: in
     recorded from the decoding passes as `specserve train` records them."""
     import random
 
-    from speculators.train.recorder import AnswerRecorder
     from cluster.engine.build import recording_decoder
+    from speculators.train.recorder import AnswerRecorder
     from tests.conftest import IdTokenizer
 
     rng = random.Random(seed)
@@ -117,7 +117,6 @@ def trained_tiny_heads(model, folder: Path):
     torch.manual_seed(0)
     examples = tiny_training_data(model)
     train_set = [e for e in examples if not e.held_out]
-    held_out = [e for e in examples if e.held_out]
     vocabulary = frequent_tokens([e.tokens for e in train_set], 48, VOCAB)
     lm_rows = model.head_weight()[vocabulary].float()
     config = TrainConfig(epochs=40, batch_rows=1024, lr=3e-3, warmup_steps=10, eval_every=10_000,

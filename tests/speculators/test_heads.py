@@ -9,7 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from speculators.heads.checkpoint import (
-    PickledWeights, default_aux_layers, load_head, save_eagle3, save_head, save_medusa,
+    PickledWeights,
+    default_aux_layers,
+    load_head,
+    save_eagle3,
+    save_head,
+    save_medusa,
 )
 from speculators.hidden import TargetHidden
 from speculators.proposers.base import DraftRequest
@@ -18,8 +23,18 @@ from speculators.train.dataset import Example
 from speculators.train.eagle3 import Eagle3Objective
 from speculators.train.packing import pack
 from tests.speculators.heads_fixtures import (
-    AUX, HIDDEN, LAYERS, VOCAB, eagle1_layout, eagle3_original_layout, layer_config, medusa_public_layout,
-    random_eagle1, random_eagle3, random_medusa)
+    AUX,
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    eagle1_layout,
+    eagle3_original_layout,
+    layer_config,
+    medusa_public_layout,
+    random_eagle1,
+    random_eagle3,
+    random_medusa,
+)
 
 
 def eagle_outputs(head, seed=0, rows=9):

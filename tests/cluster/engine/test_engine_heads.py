@@ -1,6 +1,7 @@
 """Trained-head drafters (EAGLE-3 chain and dynamic tree, an EAGLE-1/2 checkpoint, Medusa, and
-suffix decoding with an EAGLE-3 head behind it) through the engine: greedy output identical to plain decoding, sampled output with the target's
-distribution. The heads read the target's hidden states, which prefill and verification return."""
+suffix decoding with an EAGLE-3 head behind it) through the engine: greedy output identical to
+plain decoding, sampled output with the target's distribution. The heads read the target's hidden
+states, which prefill and verification return."""
 from __future__ import annotations
 
 import copy
@@ -24,7 +25,13 @@ from speculators.proposers.medusa import MedusaProposer
 from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
 from tests.cluster.engine.test_engine_lossless import (  # noqa: F401  (plain_outputs is a fixture)
-    LOOKAHEADS, PROMPTS, STEEP, exact_two_token_distribution, plain_outputs, run_engine)
+    LOOKAHEADS,
+    PROMPTS,
+    STEEP,
+    exact_two_token_distribution,
+    plain_outputs,
+    run_engine,
+)
 from tests.conftest import IdTokenizer, tiny_pair
 from tests.speculators.heads_fixtures import LAYERS, random_eagle1, random_eagle3, random_medusa
 
@@ -56,7 +63,8 @@ def head_proposer(kind: str, model, trained=None, vocab: int = 64, draft_vocab: 
 
 
 @pytest.mark.parametrize("kind,lookahead", list(itertools.product(KINDS, LOOKAHEADS)),
-                         ids=lambda v: v if isinstance(v, str) else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
+                         ids=lambda v: v if isinstance(v, str)
+                         else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
 def test_greedy_speculation_with_a_head_is_token_identical(tiny_model, tiny_heads, plain_outputs, kind, lookahead):
     model, _ = tiny_model
     outputs = run_engine(model, head_proposer(kind, model, tiny_heads), PROMPTS, lookahead)
@@ -148,7 +156,8 @@ def test_sampled_output_with_a_head_follows_the_target(kind):
     for start in range(0, samples, batch):
         proposer = head_proposer(kind, model, vocab=8, draft_vocab=6)
         engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
-                                                                                       kv_cache_bytes=batch * 16 * model.kv_bytes_per_position()))
+                                                                                       kv_cache_bytes=batch * 16
+                                                               * model.kv_bytes_per_position()))
         requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]

@@ -73,8 +73,10 @@ LOOKAHEADS = [
 ]
 
 
-@pytest.mark.parametrize("kind,lookahead", list(itertools.product(["pld", "pld-tree", "suffix", "draft", "draft-tree"], LOOKAHEADS)),
-                         ids=lambda v: v if isinstance(v, str) else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
+@pytest.mark.parametrize("kind,lookahead",
+                         list(itertools.product(["pld", "pld-tree", "suffix", "draft", "draft-tree"], LOOKAHEADS)),
+                         ids=lambda v: v if isinstance(v, str)
+                         else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
 def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, lookahead):
     """Every proposer, policy, chain and tree shape, on a batch of prompts of mixed lengths."""
     model, _ = tiny_model
@@ -197,8 +199,8 @@ def test_stop_strings_cut_the_text(tiny_model, plain_outputs):
 @pytest.mark.default_model
 @pytest.mark.parametrize("method", ["pld", "draft"])
 def test_default_model_greedy_is_identical(default_model_path, default_model_cost_curve, method):
-    from cluster.engine.config import EngineConfig
     from cluster.engine.build import build_engine
+    from cluster.engine.config import EngineConfig
 
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
     engines = {m: build_engine(EngineConfig(model=str(default_model_path), method=m, max_sequences=1, max_len=512))
@@ -239,7 +241,8 @@ def test_sampled_output_follows_the_target(width):
     for start in range(0, samples, batch):
         proposer = DraftModelProposer(ModelRunner(draft, batch, 16), width=width)
         engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
-                                                                                       kv_cache_bytes=batch * 16 * model.kv_bytes_per_position()))
+                                                                                       kv_cache_bytes=batch * 16
+                                                               * model.kv_bytes_per_position()))
         requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]

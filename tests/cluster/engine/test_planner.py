@@ -7,9 +7,9 @@ import torch
 
 from actors.model.runner import ModelRunner
 from actors.model.timing import time_passes
-from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
+from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
 from cluster.engine.learned_cost import DrafterCost
 from cluster.engine.planner import EXPLORE_EVERY, Acceptance, Planned, Planner, path_probabilities, subtree
 from cluster.engine.request import GenerationRequest

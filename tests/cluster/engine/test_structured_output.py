@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 import torch
 
-from actors.model.loader import load_tokenizer
 from actors.model.llama import layer_skip_draft
+from actors.model.loader import load_tokenizer
 from actors.model.runner import ModelRunner
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
@@ -78,7 +78,8 @@ def proposer(kind: str, model):
     if kind == "suffix":
         return SuffixProposer(max_spec_factor=4.0)
     if kind.startswith("draft"):
-        return DraftModelProposer(ModelRunner(layer_skip_draft(model, 2), len(SCHEMAS), 512), width=3 if kind == "draft-tree" else 1)
+        runner = ModelRunner(layer_skip_draft(model, 2), len(SCHEMAS), 512)
+        return DraftModelProposer(runner, width=3 if kind == "draft-tree" else 1)
     return None
 
 

@@ -12,8 +12,8 @@ import ray
 
 from actors.model.loader import load_model
 from cluster.engine.build import cost_key_of, local_engine
-from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.engine.config import EngineConfig
+from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folder
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.draft_pool import NAMESPACE
 from cluster.runtime.draft_pool_spec import DraftPoolSpec

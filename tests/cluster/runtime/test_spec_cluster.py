@@ -7,8 +7,8 @@ import pytest
 import ray
 
 from actors.model.loader import load_model
-from cluster.engine.config import EngineConfig
 from cluster.engine.build import local_engine
+from cluster.engine.config import EngineConfig
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)

@@ -14,10 +14,10 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
-from cluster.serve.app import build_app
-from cluster.engine.config import EngineConfig
 from cluster.engine.build import build_engine
+from cluster.engine.config import EngineConfig
 from cluster.engine.request import GenerationRequest
+from cluster.serve.app import build_app
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
 from tests.cluster.ray_fixtures import ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)

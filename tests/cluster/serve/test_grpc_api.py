@@ -69,7 +69,7 @@ def test_authorization_metadata_is_read():
 
 
 def test_bytes_that_do_not_parse_become_invalid_argument_naming_the_request():
-    from cluster.serve.grpc_api import UndecodableRequest, parse_or_explain, checked
+    from cluster.serve.grpc_api import UndecodableRequest, checked, parse_or_explain
 
     good = pb.GenerateRequest(text="AB").SerializeToString()
     parse = parse_or_explain(pb.GenerateRequest)

@@ -45,7 +45,8 @@ def ports(tiny_model_dir):
                     "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0}
 
         args = AppArgs.model_validate({
-            "models": [{"model_id": "tiny-pld", "cluster": cluster("pld")}, {"model_id": "tiny-plain", "cluster": cluster("none")}],
+            "models": [{"model_id": "tiny-pld", "cluster": cluster("pld")},
+                       {"model_id": "tiny-plain", "cluster": cluster("none")}],
             "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64},
         })
         serve.run(SpecServer.options(ray_actor_options={"num_cpus": 0.1}).bind(args), name="models", route_prefix="/")

@@ -17,14 +17,14 @@ import torch
 from fastapi import FastAPI
 
 from actors.model.loader import load_tokenizer
-from cluster.engine.config import SchedulerConfig
-from cluster.engine.spec_engine import SpecEngine
-from cluster.engine.loop import EngineLoop
 from cluster.engine.build import local_engine
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.loop import EngineLoop
+from cluster.engine.request import GenerationRequest
+from cluster.engine.spec_engine import SpecEngine
 from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import build_openai_router
 from cluster.serve.openai_schema import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, NEUTRAL_ONLY
-from cluster.engine.request import GenerationRequest
 from cluster.serve.service import ServiceLimits, SpecService
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
@@ -152,7 +152,8 @@ def test_chat_completion_streamed_and_not(served):
     client = served.client()
     text, count = served.greedy_text(served.chat_ids(MESSAGES))
     whole = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
-    assert (whole.object, whole.choices[0].message.role, whole.choices[0].message.content) == ("chat.completion", "assistant", text)
+    message = whole.choices[0].message
+    assert (whole.object, message.role, message.content) == ("chat.completion", "assistant", text)
     assert whole.id.startswith("chatcmpl-") and whole.usage.completion_tokens == count
     chunks = list(client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_completion_tokens=MAX_TOKENS,
                                                  temperature=0, stream=True))
@@ -337,7 +338,8 @@ def test_a_client_leaving_a_stream_aborts_its_request(served, slow_engine_and_ab
 
 
 def test_a_client_leaving_a_plain_request_aborts_it(served, slow_engine_and_aborts):
-    body = json.dumps({"prompt": "Plain words here", "max_tokens": 500, "temperature": 0, "speculation": {"method": "off"}}).encode()
+    body = json.dumps({"prompt": "Plain words here", "max_tokens": 500, "temperature": 0,
+                       "speculation": {"method": "off"}}).encode()
     connection = connect(served, "/v1/completions", body, timeout=0.5)
     with pytest.raises(TimeoutError):
         connection.getresponse()
