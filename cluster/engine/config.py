@@ -6,7 +6,7 @@ configs keep working.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
@@ -23,6 +23,8 @@ Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
+MIN_AUTO_CHUNK = 64
+"""The fewest prompt tokens an \"auto\" chunk carries: below this a pass's fixed cost dominates its prompt tokens."""
 DEFAULT_KV_SEQUENCES = 8
 """kv_cache_bytes by default: max_len positions for 8 sequences, the memory of the slot cache of
 earlier releases (which decoded 8 requests at once)."""
@@ -46,11 +48,19 @@ class SchedulerConfig(BaseModel):
         None, ge=1, description="memory of the target's KV cache, all tensor-parallel ranks together, in bytes; "
         "null: 8 x max_len positions of the target (e.g. 755 MB for SmolLM2-135M at max_len 2048)")
     block_size: int = Field(16, ge=1, le=256, description="positions per KV cache block (a power of two)")
-    prefill_chunk_tokens: int | None = Field(
-        64, ge=1, description="chunked prefill: while requests are decoding, the most prompt tokens prefilled in one "
-        "pass, packed into the same pass as their verification trees (the planner counts them), so a long prompt "
-        "does not stall the streams already decoding (when none decodes, every waiting prompt is prefilled at once); "
-        "null: a whole prompt in the pass that admits it")
+    prefill_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="chunked prefill: while requests are decoding, the most prompt tokens prefilled in one "
+        "pass, packed into the same pass as their verification trees (the planner counts them); \"auto\": as many as "
+        "cost `prefill_pass_ratio` times the pass's decoding by the target's measured cost curve (at least "
+        f"{MIN_AUTO_CHUNK}; {MIN_AUTO_CHUNK} where the engine has no curve), so prompts are prefilled as fast as "
+        "the load they arrive with while running streams' gaps stay bounded; null: a whole prompt in the pass that "
+        "admits it")
+    prefill_pass_ratio: float = Field(
+        2.0, gt=0, description="with prefill_chunk_tokens \"auto\": a pass carrying prompt tokens costs at most "
+        "(1 + this) times its decoding alone, which gives prompts this share of the target while they wait")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="most prompt tokens plus decoding requests in one chunked pass, also when nothing "
+        "decodes (every waiting prompt then shares it), so no burst of long prompts makes one pass of unbounded size")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV cache blocks of a prompt prefix computed before in the same cache scope "
         "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa), which need every "

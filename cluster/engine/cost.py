@@ -74,6 +74,14 @@ class CostCurve:
         extra = _interpolate(self._sequences, self._spread, sequences) if sequences > 1 else 0.0
         return self._single(tokens) + max(0.0, extra)
 
+    def seconds_per_token(self) -> float:
+        """What one more token adds to a long single-sequence pass (a prompt chunk's rate): the slope
+        between the two largest measured passes, extrapolated beyond them."""
+        if len(self._tokens) == 1:
+            return self._seconds[0] / self._tokens[0]
+        slope = (self._seconds[-1] - self._seconds[-2]) / (self._tokens[-1] - self._tokens[-2])
+        return slope if slope > 0 else self._seconds[-1] / self._tokens[-1]
+
     def describe(self) -> str:
         return ", ".join(f"{t} tokens {s * 1000:.1f} ms" for t, s in zip(self._tokens, self._seconds))
 

@@ -9,8 +9,11 @@ them, actors/block_fit.py; this side only offers, sets back and resumes):
 - A request refused or preempted goes back to the queues with its tokens so far: to `preempted`
   once it has output, else to the front of `waiting`.
 - Chunked prefill (`prefill_chunk_tokens`): while any request decodes, a pass carries at most that
-  many prompt tokens, in admission order (a pass that holds up streams stays short); while none
-  does, every prompt waiting whole (nobody to hold up).
+  many prompt tokens, in admission order; "auto" sizes the chunk by the cost curve to cost
+  `prefill_pass_ratio` times the pass's decoding, so prefill keeps that share of the target at any
+  load (a fixed chunk gave prompts a shrinking share as passes grew with the batch and its trees,
+  and their queue grew without bound). While none decodes, waiting prompts fill the pass. Every
+  chunked pass holds at most `max_num_batched_tokens` prompt tokens and decoding requests.
 - With `pipeline`, the running requests form two micro-batches (a new one joins the smaller),
   verified in turn.
 """
@@ -21,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from actors.messages import Admission, Preempted, PrefillChunk
-from cluster.engine.config import SchedulerConfig
+from cluster.engine.config import MIN_AUTO_CHUNK, SchedulerConfig
+from cluster.engine.cost import CostCurve
 from cluster.engine.request import GenerationRequest
 from cluster.engine.sequence import ActiveRequest
 from cluster.engine.stats import EngineCounters
@@ -39,9 +43,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, counters: EngineCounters, vocab_size: int | None,
-                 release: Callable[[ActiveRequest], None]):
-        """`release`: what else forgets a request set back to the queues (its drafters, its hidden states)."""
+                 release: Callable[[ActiveRequest], None], cost: CostCurve | None = None):
+        """`release`: what else forgets a request set back to the queues (its drafters, its hidden
+        states); `cost`: the target's cost curve, which sizes "auto" prompt chunks."""
         self.config, self.counters, self.vocab_size, self._release = config, counters, vocab_size, release
+        self.cost = cost
         self.waiting: deque[GenerationRequest] = deque()
         self.preempted: deque[ActiveRequest] = deque()
         """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
@@ -164,8 +170,23 @@ class Scheduler:
         """The micro-batch's requests whose prompts are in the cache."""
         return [s for s in self.active.values() if s.group == group and s.request_id not in self.prefilling]
 
+    def chunk_budget(self) -> int:
+        """Prompt tokens the next pass may carry."""
+        room = max(1, self.config.max_num_batched_tokens - self.decoding)
+        chunk = self.config.prefill_chunk_tokens
+        if not self.decoding:
+            return room
+        if chunk == "auto":
+            chunk = MIN_AUTO_CHUNK
+            if self.cost is not None:
+                decoding = self.cost.seconds(self.decoding, self.decoding)
+                chunk = max(chunk, int(self.config.prefill_pass_ratio * decoding / self.cost.seconds_per_token()))
+        return min(chunk, room)
+
     def _next_chunks(self) -> list[tuple[str, int]]:
-        budget = self.config.prefill_chunk_tokens if self.decoding else sum(self.active[r].prefill_left for r in self.prefilling)
+        if not self.prefilling:  # whole-prompt mode never has any
+            return []
+        budget = self.chunk_budget()
         chunks = []
         for request_id in self.prefilling:
             state = self.active[request_id]

@@ -111,7 +111,7 @@ class SpecEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.counters = EngineCounters()
-        self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts)
+        self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts, cost=cost)
         self._pending_drafts: dict[int, _PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._hidden = PendingHidden()

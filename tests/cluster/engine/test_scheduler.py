@@ -9,7 +9,8 @@ import pytest
 from actors.messages import Admission, AdmissionRefused, AdmitItem, PrefillChunk
 from actors.target_worker import CacheOptions, TargetWorker
 from actors.worker import LocalWorker
-from cluster.engine.config import SchedulerConfig
+from cluster.engine.config import MIN_AUTO_CHUNK, SchedulerConfig
+from cluster.engine.cost import CostCurve, CostPoint
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_engine import TARGET_FAILED, SpecEngine
@@ -69,6 +70,43 @@ def test_a_pass_carries_a_chunk_budget_while_requests_decode_and_every_prompt_wh
     scheduler.run([state_of(third)])
     scheduler.admitted(Admission({"c": 0}, []))
     assert scheduler.plan().chunks == [("c", 8)]  # two decode: a short pass
+
+
+def decoding_scheduler(config: SchedulerConfig, decoding: int, cost: CostCurve | None = None) -> Scheduler:
+    """A scheduler with `decoding` requests past their prefill and a 2,000-token prompt left to prefill."""
+    scheduler = Scheduler(config, EngineCounters(), None, lambda state: None, cost=cost)
+    running = [state_of(GenerationRequest(f"d{i}", [1, 2])) for i in range(decoding)]
+    prompt = state_of(GenerationRequest("long", list(range(1, 2001))))
+    scheduler.run([*running, prompt])
+    scheduler.admitted(Admission({state.request_id: 0 for state in [*running, prompt]}, []))
+    scheduler.prefilled([PrefillChunk(state.request_id, 0, 1) for state in running])
+    return scheduler
+
+
+# a pass costs 40 ms plus 4 ms a token; one token of each of 16 sequences costs 160 ms
+CURVE = CostCurve([CostPoint(n, 1, 0.040 + 0.004 * n) for n in (1, 16, 64)] + [CostPoint(16, 16, 0.160)])
+
+
+def test_an_auto_chunk_costs_its_share_of_the_passs_decoding_at_every_load():
+    config = SchedulerConfig(max_sequences=32, max_len=4096)
+    assert config.prefill_chunk_tokens == "auto" and config.prefill_pass_ratio == 2.0
+    one, sixteen = decoding_scheduler(config, 1, CURVE), decoding_scheduler(config, 16, CURVE)
+    assert one.decoding == 1 and sixteen.decoding == 16
+    assert one.plan().chunks == [("long", MIN_AUTO_CHUNK)]  # 2 x 44 ms of prompt is 22 tokens: the floor
+    assert sixteen.plan().chunks == [("long", 80)]  # 2 x 160 ms of prompt at 4 ms a token
+    assert decoding_scheduler(config, 16).plan().chunks == [("long", MIN_AUTO_CHUNK)]  # no curve: the floor
+    fixed = SchedulerConfig(max_sequences=32, max_len=4096, prefill_chunk_tokens=100)
+    assert decoding_scheduler(fixed, 16, CURVE).plan().chunks == [("long", 100)]
+
+
+def test_no_pass_carries_more_than_max_num_batched_tokens():
+    config = SchedulerConfig(max_sequences=32, max_len=4096, max_num_batched_tokens=300, prefill_pass_ratio=50)
+    assert decoding_scheduler(config, 16, CURVE).plan().chunks == [("long", 300 - 16)]
+    idle = Scheduler(config, EngineCounters(), None, lambda state: None)
+    prompts = [state_of(GenerationRequest(name, list(range(1, 201)))) for name in "ab"]
+    idle.run(prompts)
+    idle.admitted(Admission({"a": 0, "b": 0}, []))
+    assert idle.plan().chunks == [("a", 199), ("b", 101)]  # nobody decodes: the prompts share the cap
 
 
 def test_the_worker_refuses_a_batch_it_can_never_serve(tiny_model):
