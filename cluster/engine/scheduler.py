@@ -48,6 +48,8 @@ class Scheduler:
         states); `cost`: the target's cost curve, which sizes "auto" prompt chunks."""
         self.config, self.counters, self.vocab_size, self._release = config, counters, vocab_size, release
         self.cost = cost
+        self._decoded_tokens = 0
+        """Tokens the last pass verified for decoding requests (their trees): what its decoding cost."""
         self.waiting: deque[GenerationRequest] = deque()
         self.preempted: deque[ActiveRequest] = deque()
         """Requests the KV cache ran out for, resumed before any waiting one, oldest first."""
@@ -179,7 +181,7 @@ class Scheduler:
         if chunk == "auto":
             chunk = MIN_AUTO_CHUNK
             if self.cost is not None:
-                decoding = self.cost.seconds(self.decoding, self.decoding)
+                decoding = self.cost.seconds(max(self.decoding, self._decoded_tokens), self.decoding)
                 chunk = max(chunk, int(self.config.prefill_pass_ratio * decoding / self.cost.seconds_per_token()))
         return min(chunk, room)
 
@@ -198,9 +200,12 @@ class Scheduler:
                 break
         return chunks
 
-    def prefilled(self, replies: list[PrefillChunk | Preempted]) -> None:
+    def prefilled(self, replies: list[PrefillChunk | Preempted], decoded_tokens: int | None = None) -> None:
         """Chunks run (the rest of their prompts counted down, by what the prefix cache gave them
-        too) and prompts the target preempted; prompts with nothing left start decoding."""
+        too) and prompts the target preempted; prompts with nothing left start decoding. The pass
+        also verified `decoded_tokens` for decoding requests (the next auto chunk weighs them)."""
+        if decoded_tokens is not None:
+            self._decoded_tokens = decoded_tokens
         for reply in replies:
             state = self.active.get(reply.seq_id)
             if state is None:

@@ -323,7 +323,7 @@ class SpecEngine:
         for chunk in reply.prefill:  # a head drafts from the prompt's hidden states
             if isinstance(chunk, PrefillChunk) and chunk.hidden is not None and chunk.seq_id in self.active:
                 self._hidden.add(chunk.seq_id, chunk.start, chunk.hidden)
-        self.scheduler.prefilled(reply.prefill)
+        self.scheduler.prefilled(reply.prefill, decoded_tokens=sum(tree.size for tree in trees))
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
         return [event for event in events if event is not None]

@@ -95,6 +95,8 @@ def test_an_auto_chunk_costs_its_share_of_the_passs_decoding_at_every_load():
     assert one.plan().chunks == [("long", MIN_AUTO_CHUNK)]  # 2 x 44 ms of prompt is 22 tokens: the floor
     assert sixteen.plan().chunks == [("long", 80)]  # 2 x 160 ms of prompt at 4 ms a token
     assert decoding_scheduler(config, 16).plan().chunks == [("long", MIN_AUTO_CHUNK)]  # no curve: the floor
+    sixteen.prefilled([], decoded_tokens=64)  # the last pass verified trees of 64 tokens in all: dearer
+    assert sixteen.plan().chunks == [("long", int(2 * CURVE.seconds(64, 16) / CURVE.seconds_per_token()))]  # 176
     fixed = SchedulerConfig(max_sequences=32, max_len=4096, prefill_chunk_tokens=100)
     assert decoding_scheduler(fixed, 16, CURVE).plan().chunks == [("long", 100)]
 
