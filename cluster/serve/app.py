@@ -232,12 +232,11 @@ class SpecServer:
     async def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
         """The request's service and engine request, built (tokenized, its grammar compiled) on a
         worker thread: on the event loop, a large grammar would stall every stream while it compiles."""
-        self.models.authorize(metadata_value(grpc_context, "authorization"))
+        key_tenant = self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
         service = self.models.resolve(message.model)
         options = options_from(message)
-        options.tenant = service.tenant(metadata_value(grpc_context, "authorization"),
-                                        metadata_value(grpc_context, TENANT_HEADER))  # suffix decoding's cache scope
+        options.tenant = service.tenant(key_tenant, metadata_value(grpc_context, TENANT_HEADER))  # what it may share
         return service, await asyncio.to_thread(service.build_request, options)
 
     @staticmethod

@@ -32,13 +32,13 @@ class ServiceLimits(BaseModel):
     api_key_file: str | None = Field(
         None, description="path of a file holding the API key (a mounted Kubernetes Secret)")
     cache_sharing: Literal["tenant", "global", "request"] = Field(
-        "tenant", description="whose earlier outputs suffix decoding drafts from (drafted and accepted counts "
-        "would otherwise tell a client whether a text appeared in others' outputs): tenant (outputs of the same "
-        "tenant, as tenant_from identifies it; a request without one shares nothing), global (everyone's), or "
-        "request (none: only the request's own text)")
+        "tenant", description="whose cached prompt prefixes (the prefix cache) and earlier outputs (suffix decoding) "
+        "a request may use (cached_tokens and the drafted and accepted counts would otherwise tell a client whether a "
+        "text appeared in others' requests): tenant (the same tenant's, as tenant_from identifies it; a request without "
+        "one shares nothing), global (everyone's), or request (none: only the request's own text)")
     tenant_from: Literal["api_key", "header", "user"] = Field(
-        "api_key", description="cache_sharing tenant: what identifies a tenant: api_key (a hash of the API key the "
-        "client presented, never the key; on a server without a key, of whatever bearer token it sent), header "
+        "api_key", description="cache_sharing tenant: what identifies a tenant: api_key (the tenant the client's API "
+        "key names; a deployment without keys is one tenant, whatever bearer token a client sends), header "
         "(the 'x-specserve-tenant' HTTP header or gRPC metadata, set by a trusted gateway), or user (the OpenAI "
         "body's 'user' field). header and user are client-controlled unless a gateway in front sets or checks them: "
         "choose them only then")

@@ -44,7 +44,7 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        async def models(served: ServedModels) -> Response:
+        async def models(served: ServedModels, tenant: str | None) -> Response:
             cards = [{"id": service.model_id, "object": "model", "created": created, "owned_by": "specserve"}
                      for service in served]
             return JSONResponse({"object": "list", "data": cards})
@@ -69,11 +69,11 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, get_models, lambda served: _complete(served, request, chat=False))
+        return await _answer(request, get_models, lambda served, tenant: _complete(served, tenant, request, chat=False))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, get_models, lambda served: _complete(served, request, chat=True))
+        return await _answer(request, get_models, lambda served, tenant: _complete(served, tenant, request, chat=True))
 
     return router
 
@@ -88,15 +88,15 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
 
 
 async def _answer(request: Request, get_models: Callable[[], ServedModels],
-                  produce: Callable[[ServedModels], Awaitable[Response]]) -> Response:
-    """Authorize, run the route, and turn the service's refusals into OpenAI error responses.
+                  produce: Callable[[ServedModels, str | None], Awaitable[Response]]) -> Response:
+    """Authorize (the key names the caller's tenant), run the route, and turn the service's refusals into OpenAI error responses.
 
     A router cannot carry exception handlers (they belong to the app), so each route goes through here.
     """
     try:
         served = get_models()
-        served.authorize(request.headers.get("authorization"))
-        return await produce(served)
+        tenant = served.authorize(request.headers.get("authorization"))
+        return await produce(served, tenant)
     except Unauthorized as error:
         status, response = 401, _error(401, str(error), "invalid_request_error", code="invalid_api_key",
                                        headers={"WWW-Authenticate": "Bearer"})
@@ -175,12 +175,12 @@ async def _outputs_unless_abandoned(call: Call, request: Request) -> list[Genera
     return None if work.cancelled() else work.result()
 
 
-async def _complete(served: ServedModels, request: Request, chat: bool) -> Response:
+async def _complete(served: ServedModels, tenant: str | None, request: Request, chat: bool) -> Response:
     request_id = uuid.uuid4().hex
     body = await request.body()
     # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
     # event loop: a worker thread of the loop's (bounded) default executor does it
-    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers)
+    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers, tenant)
     service = call.service
     strings = service.token_strings if call.logprobs else None
     shape = ResponseShape(id=("chatcmpl-" if chat else "cmpl-") + request_id, created=int(time.time()), model=service.model_id,

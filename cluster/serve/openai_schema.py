@@ -233,8 +233,9 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
 
 
 def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str,
-               headers: Mapping[str, str] | None = None) -> Call:
-    """The request a body asks for, checked field by field (InvalidRequest names the wire field;
+               headers: Mapping[str, str] | None = None, key_tenant: str | None = None) -> Call:
+    """The request a body asks for, from the tenant its API key names (`ServedModels.authorize`),
+    checked field by field (InvalidRequest names the wire field;
     ModelNotFound names a model that is not served). It tokenizes the prompt and compiles any
     grammar, so the routes call it on a worker thread, not on the event loop."""
     body = _json_object(raw_body)
@@ -243,7 +244,7 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     stream, include_usage = _flag(body, "stream"), _include_usage(body)
     fields, renames = _options(body, chat, service)
     headers = headers or {}  # who sent it: the cache scope of suffix decoding (limits.cache_sharing)
-    fields["tenant"] = service.tenant(headers.get("authorization"), headers.get(TENANT_HEADER), body.get("user"))
+    fields["tenant"] = service.tenant(key_tenant, headers.get(TENANT_HEADER), body.get("user"))
     try:
         samples = service.build_samples(service.parse_options(fields), request_id)
     except InvalidRequest as error:

@@ -31,6 +31,10 @@ from speculators.sampling import SamplingParams
 DEFAULT_MAX_NEW_TOKENS = 128
 TENANT_HEADER = "x-specserve-tenant"
 """The HTTP header (gRPC metadata key) naming a request's tenant, read only with `limits.tenant_from` header."""
+OPEN_DEPLOYMENT = "\0a deployment without API keys"
+"""The one tenant of a deployment that has no keys (no key file can name a tenant with a NUL in it)."""
+DEFAULT_TENANT = "default"
+"""The tenant of the single `limits.api_key` (or api_key_env / api_key_file)."""
 
 
 class InvalidRequest(ValueError):
@@ -125,14 +129,15 @@ class RequestBuilder:
         return cls(engine, tokenizer, config.model, config.method, config.lookahead,
                    ServiceLimits(max_prompt_tokens=window, max_new_tokens=window, cache_sharing="global"))
 
-    def tenant(self, authorization: str | None = None, header: str | None = None, user: object = None) -> str | None:
-        """Who sent a request, as `limits.tenant_from` identifies tenants, from the credential presented
-        (HTTP `Authorization`, gRPC metadata `authorization`), the TENANT_HEADER and the OpenAI body's
-        `user`: a hash naming its source, never the key or value itself; None when that source is
-        empty. Front ends put it in RequestOptions.tenant."""
+    def tenant(self, key_tenant: str | None = None, header: str | None = None, user: object = None) -> str | None:
+        """Who sent a request, as `limits.tenant_from` identifies tenants: the tenant the presented API
+        key names (`SpecService.authorize`; a deployment without keys is one tenant, so its requests
+        share with each other), the TENANT_HEADER, or the OpenAI body's `user`; a hash naming its
+        source, never the value itself; None when a header or user source is empty (nothing shared).
+        Front ends put it in RequestOptions.tenant."""
         source = self.limits.tenant_from
         if source == "api_key":
-            value = (authorization or "").removeprefix("Bearer ").strip()
+            value = key_tenant or OPEN_DEPLOYMENT
         elif source == "header":
             value = (header or "").strip()
         else:

@@ -20,6 +20,7 @@ from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import StepEvent
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.requests import (  # noqa: F401  (front ends and tests import these from here)
+    DEFAULT_TENANT,
     InvalidRequest,
     RequestBuilder,
     RequestOptions,
@@ -68,13 +69,15 @@ class SpecService(RequestBuilder):
 
     # ---- auth -------------------------------------------------------------------------------
 
-    def authorize(self, header_value: str | None) -> None:
-        """Accepts 'Bearer KEY' or the bare key; constant-time comparison."""
+    def authorize(self, header_value: str | None) -> str | None:
+        """The tenant the presented key names ('Bearer KEY' or the bare key; constant-time comparison);
+        None on a deployment without keys (one tenant, RequestBuilder.tenant)."""
         if self._api_key is None:
-            return
+            return None
         presented = (header_value or "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(presented.encode(errors="replace"), self._api_key.get_secret_value().encode()):
             raise Unauthorized("missing or invalid API key")
+        return DEFAULT_TENANT
 
     # ---- running -------------------------------------------------------------------------------
 
