@@ -1,12 +1,12 @@
-"""What one replica accepts: request sizes, concurrency, deadlines, the API key, and whose earlier
-outputs a request may draft from (suffix decoding's cache scope, see requests.py)."""
+"""What one replica accepts: request sizes, concurrency, deadlines, the API keys, and whose cached
+prefixes and earlier outputs a request may use (its cache scope, see requests.py)."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from cluster.serve.api_key import resolve_api_key
+from cluster.serve.api_key import ApiKeys, resolve_api_keys
 
 
 class ServiceLimits(BaseModel):
@@ -31,6 +31,10 @@ class ServiceLimits(BaseModel):
     api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
     api_key_file: str | None = Field(
         None, description="path of a file holding the API key (a mounted Kubernetes Secret)")
+    api_keys_file: str | None = Field(
+        None, description="path of a YAML or JSON file mapping each API key to its tenant's name (a mounted Kubernetes "
+        "Secret): several keys, each client its tenant; re-read within a second of a change, no restart (a file that "
+        "no longer reads keeps the last good keys). At most one of api_key, api_key_env, api_key_file, api_keys_file")
     cache_sharing: Literal["tenant", "global", "request"] = Field(
         "tenant", description="whose cached prompt prefixes (the prefix cache) and earlier outputs (suffix decoding) "
         "a request may use (cached_tokens and the drafted and accepted counts would otherwise tell a client whether a "
@@ -43,7 +47,7 @@ class ServiceLimits(BaseModel):
         "body's 'user' field). header and user are client-controlled unless a gateway in front sets or checks them: "
         "choose them only then")
 
-    def resolved_api_key(self) -> SecretStr | None:
-        """The key from whichever source is configured; a named source that is missing is an error,
-        never a silently open server."""
-        return resolve_api_key(self.api_key, self.api_key_env, self.api_key_file)
+    def resolved_api_keys(self) -> ApiKeys | None:
+        """The keys from whichever source is configured; a named source that is missing or malformed is
+        an error, never a silently open server."""
+        return resolve_api_keys(self.api_key, self.api_key_env, self.api_key_file, self.api_keys_file)

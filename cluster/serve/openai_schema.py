@@ -30,7 +30,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Fields that select what this server does, per endpoint; anything not listed here or below is refused.
 COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "speculation",
                  "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
-                 "structured_outputs"}
+                 "structured_outputs", "cache_salt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -47,7 +47,7 @@ NEUTRAL_ONLY = {
 }
 """Features this server lacks, with the values that ask for none of them."""
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "seed", "stop", "speculation", "n", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty")
+                  "frequency_penalty", "repetition_penalty", "cache_salt")
 """Body fields that are RequestOptions fields of the same name and meaning."""
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
 """vLLM's `structured_outputs` keys and the kinds they name."""

@@ -33,8 +33,6 @@ TENANT_HEADER = "x-specserve-tenant"
 """The HTTP header (gRPC metadata key) naming a request's tenant, read only with `limits.tenant_from` header."""
 OPEN_DEPLOYMENT = "\0a deployment without API keys"
 """The one tenant of a deployment that has no keys (no key file can name a tenant with a NUL in it)."""
-DEFAULT_TENANT = "default"
-"""The tenant of the single `limits.api_key` (or api_key_env / api_key_file)."""
 
 
 class InvalidRequest(ValueError):
@@ -103,6 +101,9 @@ class RequestOptions(BaseModel):
     """Who sent the request, as the front end identified them (`RequestBuilder.tenant`, never a body
     field): with `limits.cache_sharing` tenant, the request drafts only from its tenant's earlier
     outputs. None: unknown (such a request shares nothing)."""
+    cache_salt: str | None = None
+    """vLLM's per-request salt: the request shares cached prefixes and earlier outputs only with
+    requests of its tenant that give the same salt."""
 
 
 def _check_utf8(field: str, text: str) -> None:
@@ -149,14 +150,20 @@ class RequestBuilder:
         digest = hashlib.sha256(f"specserve tenant\0{source}\0{value}".encode(errors="replace")).hexdigest()
         return f"{source}:{digest[:32]}"
 
-    def _cache_scope(self, tenant: str | None) -> str | None:
-        """GenerationRequest.cache_scope under `limits.cache_sharing`."""
+    def _cache_scope(self, tenant: str | None, salt: str | None) -> str | None:
+        """GenerationRequest.cache_scope (the prefix cache's and the suffix index's) under
+        `limits.cache_sharing`, salted by the request's `cache_salt`."""
+        if salt is not None:
+            if not salt:
+                raise InvalidRequest("cache_salt", "must be a non-empty string when given")
+            _check_utf8("cache_salt", salt)
         sharing = self.limits.cache_sharing
-        if sharing == "global":
-            return ""
-        if sharing == "request" or not tenant:
+        if sharing == "request" or (sharing == "tenant" and not tenant):
             return None
-        return "tenant:" + tenant
+        scope = "" if sharing == "global" else "tenant:" + tenant
+        if salt is None:
+            return scope
+        return f"{scope}\0salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
 
     def _prompt_ids(self, options: RequestOptions) -> list[int]:
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(options, name) not in (None, [], "")]
@@ -234,7 +241,7 @@ class RequestBuilder:
             speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
             logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
-            cache_scope=self._cache_scope(options.tenant),
+            cache_scope=self._cache_scope(options.tenant, options.cache_salt),
         )
         try:
             self.engine.validate(request)  # the engine's own limits (context window, vocabulary)

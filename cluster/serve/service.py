@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
@@ -20,7 +19,6 @@ from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import StepEvent
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.requests import (  # noqa: F401  (front ends and tests import these from here)
-    DEFAULT_TENANT,
     InvalidRequest,
     RequestBuilder,
     RequestOptions,
@@ -64,20 +62,20 @@ class SpecService(RequestBuilder):
         super().__init__(self.loops[0].engine if self.loops else None, tokenizer, model_id, method,
                          default_lookahead, limits)
         self.observer = observer
-        self._api_key = limits.resolved_api_key()
+        self._api_keys = limits.resolved_api_keys()
         self.in_flight = 0
 
     # ---- auth -------------------------------------------------------------------------------
 
     def authorize(self, header_value: str | None) -> str | None:
-        """The tenant the presented key names ('Bearer KEY' or the bare key; constant-time comparison);
-        None on a deployment without keys (one tenant, RequestBuilder.tenant)."""
-        if self._api_key is None:
+        """The tenant the presented key names ('Bearer KEY' or the bare key); None on a deployment
+        without keys (one tenant, RequestBuilder.tenant)."""
+        if self._api_keys is None:
             return None
-        presented = (header_value or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(presented.encode(errors="replace"), self._api_key.get_secret_value().encode()):
+        tenant = self._api_keys.tenant_of((header_value or "").removeprefix("Bearer ").strip())
+        if tenant is None:
             raise Unauthorized("missing or invalid API key")
-        return DEFAULT_TENANT
+        return tenant
 
     # ---- running -------------------------------------------------------------------------------
 

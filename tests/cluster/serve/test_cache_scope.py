@@ -110,3 +110,11 @@ def test_grpc_requests_get_the_scope_of_the_same_tenant_over_http():
         server.models = ServedModels([served])
         _, request = asyncio.run(server._request(message, GrpcContext(metadata)))
         assert request.cache_scope == scope(served, headers) and request.cache_scope
+
+
+def test_a_cache_salt_narrows_every_sharing_but_none():
+    salted = scope(service(cache_sharing="global"), cache_salt="my salt")
+    assert salted != "" and salted == scope(service(cache_sharing="global"), cache_salt="my salt")
+    assert "my salt" not in salted  # hashed
+    assert scope(service(), cache_salt="s") not in (scope(service()), salted)
+    assert scope(service(cache_sharing="request"), cache_salt="s") is None
