@@ -39,7 +39,7 @@ from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
 from cluster.serve.requests import TENANT_HEADER
-from cluster.serve.service import ServiceLimits, SpecService
+from cluster.serve.service import InvalidRequest, ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
 log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
@@ -234,6 +234,9 @@ class SpecServer:
         worker thread: on the event loop, a large grammar would stall every stream while it compiles."""
         key_tenant = self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
+        if message.ByteSize() > self.models.limits.max_body_bytes:  # Serve's proxy takes up to 2 GiB
+            raise InvalidRequest("request", f"has {message.ByteSize()} bytes; the limit is "
+                                            f"{self.models.limits.max_body_bytes} (limits.max_body_bytes)")
         service = self.models.resolve(message.model)
         options = options_from(message)
         options.tenant = service.tenant(key_tenant, metadata_value(grpc_context, TENANT_HEADER))  # what it may share

@@ -25,6 +25,18 @@ class ServiceLimits(BaseModel):
     max_n: int = Field(16, ge=1, le=128, description="most choices (n, best_of) one request may ask for")
     max_grammar_chars: int = Field(
         65536, ge=1, description="longest JSON schema, regular expression or grammar a request may give, in characters")
+    grammar_compile_timeout_s: float = Field(
+        30.0, gt=0, description="a structured-output spec not compiled within this many seconds (waiting for a compile "
+        "thread included) is refused with 400 naming response_format / structured_outputs (gRPC INVALID_ARGUMENT "
+        "naming structured_output); it goes on compiling and is cached, so the same spec sent later may be ready")
+    grammar_compile_threads: int = Field(
+        2, ge=1, le=64, description="threads compiling structured-output specs, per served model, apart from those "
+        "parsing requests: slow compiles wait for each other, not parsing")
+    max_body_bytes: int = Field(
+        2 * 2**20, ge=1024, description="largest HTTP request body, in bytes (a larger one is refused with 413 before "
+        "it is read whole), and largest gRPC request (INVALID_ARGUMENT naming request, before it is tokenized; "
+        "Serve's gRPC proxy itself takes up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, 2 GiB by default)")
+    max_messages: int = Field(256, ge=1, description="most chat messages one request may give")
     api_key: SecretStr | None = Field(
         None, description="when set, clients must send it (HTTP bearer, gRPC metadata 'authorization'); "
         "prefer api_key_env or api_key_file, which keep the key out of the Serve config")

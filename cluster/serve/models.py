@@ -44,5 +44,10 @@ class ServedModels:
         API keys included."""
         return next(iter(self.services.values())).authorize(header_value)
 
+    @property
+    def limits(self):
+        """The application's limits (every model shares them)."""
+        return next(iter(self.services.values())).limits
+
     def __iter__(self):
         return iter(self.services.values())

@@ -81,6 +81,24 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
 # ---- errors ------------------------------------------------------------------------------------
 
 
+class BodyTooLarge(ValueError):
+    """A body over `limits.max_body_bytes` (413): refused before it is read whole."""
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, read no further than `limit` bytes (Content-Length, when given, is checked first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the body has {int(declared)} bytes; the limit is {limit} (limits.max_body_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the body has more than {limit} bytes, the limit (limits.max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -104,6 +122,8 @@ async def _answer(request: Request, get_models: Callable[[], ServedModels],
         status, response = 404, _error(404, str(error), "invalid_request_error", param="model", code="model_not_found")
     except InvalidRequest as error:
         status, response = 400, _error(400, str(error), "invalid_request_error", param=error.field)
+    except BodyTooLarge as error:
+        status, response = 413, _error(413, str(error), "invalid_request_error", param="body", code="request_too_large")
     except Overloaded as error:
         status, response = 503, _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
     log.info("%s %s refused with %d: %s", request.method, request.url.path, status, response.body.decode())
@@ -177,7 +197,7 @@ async def _outputs_unless_abandoned(call: Call, request: Request) -> list[Genera
 
 async def _complete(served: ServedModels, tenant: str | None, request: Request, chat: bool) -> Response:
     request_id = uuid.uuid4().hex
-    body = await request.body()
+    body = await _body(request, served.limits.max_body_bytes)
     # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
     # event loop: a worker thread of the loop's (bounded) default executor does it
     call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers, tenant)

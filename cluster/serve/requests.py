@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.engine.config import EngineConfig, Method
-from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, GrammarCompiler, GrammarSpec
+from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, CompileTimeout, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationRequest
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.samples import Samples
@@ -175,6 +175,9 @@ class RequestBuilder:
         elif options.prompt_token_ids:
             ids = list(options.prompt_token_ids)
         else:
+            if len(options.messages) > self.limits.max_messages:
+                raise InvalidRequest("messages", f"has {len(options.messages)} messages; the limit is "
+                                                 f"{self.limits.max_messages}")
             for index, message in enumerate(options.messages):
                 if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
                         or message.get("role") not in ("system", "user", "assistant"):
@@ -279,10 +282,15 @@ class RequestBuilder:
         if len(structured.value or "") > self.limits.max_grammar_chars:
             raise InvalidRequest("structured_output", f"has {len(structured.value)} characters; the limit is "
                                                       f"{self.limits.max_grammar_chars}")
+        timeout = self.limits.grammar_compile_timeout_s
         try:
-            return self.grammars.compile(GrammarSpec(structured.kind, structured.value))
+            return self.grammars.compile(GrammarSpec(structured.kind, structured.value), timeout)
         except ValueError as error:
             raise InvalidRequest("structured_output", str(error)) from None
+        except CompileTimeout:
+            raise InvalidRequest("structured_output", f"did not compile within the server's {timeout:g} s "
+                                                      "(limits.grammar_compile_timeout_s); simplify it, or send it "
+                                                      "again later: its compile goes on") from None
 
     grammar_cache_size: int = CACHE_SIZE
     """Distinct structured-output specs whose compiled grammar (or refusal) is kept, per served model."""
@@ -297,7 +305,7 @@ class RequestBuilder:
                 engine = self.engine
                 self.__dict__["grammars"] = GrammarCompiler(
                     self.tokenizer, engine.vocab_size or len(self.tokenizer), engine.eos_token_ids,
-                    self.grammar_cache_size)
+                    self.grammar_cache_size, self.limits.grammar_compile_threads)
             return self.__dict__["grammars"]
 
     @cached_property

@@ -116,11 +116,11 @@ def test_a_bad_cache_salt_is_refused_naming_it(served, salt, message):
 class GrpcContext:
     code = None
 
-    def __init__(self, key: str):
+    def __init__(self, key: str | None):
         self.key = key
 
     def invocation_metadata(self):
-        return [("authorization", self.key)]
+        return [("authorization", self.key)] if self.key else []
 
     def set_code(self, code):
         self.code = code
