@@ -18,7 +18,6 @@ import logging
 import time
 
 import grpc
-from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
@@ -37,7 +36,7 @@ from cluster.serve.grpc_api import (
 )
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.models import ServedModels
-from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
+from cluster.serve.openai_api import RETRY_AFTER_S, build_http_app
 from cluster.serve.requests import TENANT_HEADER
 from cluster.serve.service import InvalidRequest, ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
@@ -107,8 +106,7 @@ def current_models() -> ServedModels:
     return serve.get_replica_context().servable_object.models
 
 
-http_app = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible API")
-http_app.include_router(build_openai_router(current_models))
+http_app = build_http_app(current_models)
 HEALTH_SERVICES = ("", "specserve.SpecServe")
 """What grpc.health.v1.Health/Check knows: the whole server ("") and its service; others are NOT_FOUND."""
 READY_POLL_S = 0.5

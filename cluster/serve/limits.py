@@ -47,6 +47,9 @@ class ServiceLimits(BaseModel):
         None, description="path of a YAML or JSON file mapping each API key to its tenant's name (a mounted Kubernetes "
         "Secret): several keys, each client its tenant; re-read within a second of a change, no restart (a file that "
         "no longer reads keeps the last good keys). At most one of api_key, api_key_env, api_key_file, api_keys_file")
+    api_docs: bool = Field(
+        False, description="serve FastAPI's /docs (Swagger UI) and /openapi.json, behind the API key like every route "
+        "but /health (a browser's Swagger UI then cannot fetch the schema: fetch it with the key); off: 404")
     cache_sharing: Literal["tenant", "global", "request"] = Field(
         "tenant", description="whose cached prompt prefixes (the prefix cache) and earlier outputs (suffix decoding) "
         "a request may use (cached_tokens and the drafted and accepted counts would otherwise tell a client whether a "

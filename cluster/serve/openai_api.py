@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 
 import ray
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.engine.request import GenerationOutput
@@ -35,6 +36,15 @@ from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 RETRY_AFTER_S = "1"
 log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 SampleEvents = AsyncIterator[tuple[int, StepEvent]]
+
+
+def build_http_app(get_models: Callable[[], ServedModels]) -> FastAPI:
+    """The HTTP app. FastAPI's own /docs, /redoc and /openapi.json are off (they answer anyone); the
+    router serves /docs and /openapi.json behind the key, and only with `limits.api_docs`."""
+    app = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible API",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(build_openai_router(get_models))
+    return app
 
 
 def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
@@ -66,6 +76,21 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
             return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
         pending = await asyncio.to_thread(pending_placements) if ray.is_initialized() else []
         return JSONResponse({"status": "ok", **({"pending_placements": pending} if pending else {})})
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        async def schema(served: ServedModels, tenant: str | None) -> Response:
+            return JSONResponse(request.app.openapi()) if served.limits.api_docs else _not_found()
+
+        return await _answer(request, get_models, schema)
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        async def page(served: ServedModels, tenant: str | None) -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="specserve") if served.limits.api_docs \
+                else _not_found()
+
+        return await _answer(request, get_models, page)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -128,6 +153,11 @@ async def _answer(request: Request, get_models: Callable[[], ServedModels],
         status, response = 503, _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
     log.info("%s %s refused with %d: %s", request.method, request.url.path, status, response.body.decode())
     return response
+
+
+def _not_found() -> JSONResponse:
+    """What an absent route answers (Starlette's 404)."""
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
 
 
 def _unhealthy(reason: str) -> JSONResponse:

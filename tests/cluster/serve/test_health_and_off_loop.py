@@ -19,7 +19,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.loop import EngineLoop
 from cluster.serve.app import SpecServer
 from cluster.serve.models import ServedModels
-from cluster.serve.openai_api import build_openai_router
+from cluster.serve.openai_api import build_http_app, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 from speculators.lookahead import LookaheadConfig
@@ -52,21 +52,38 @@ def served(default_model_path):
     engine = local_engine(model, tokenizer, PromptLookupProposer(), SchedulerConfig(max_len=512))
     loop = EngineLoop(engine, "health-test-engine")
     service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
-    app = FastAPI()
-    app.include_router(build_openai_router(lambda: ServedModels([service])))
+    app = build_http_app(lambda: ServedModels([service]))  # as the deployment builds it
     with uvicorn_server(app, "health-test-server") as port:
         yield Served(service, loop, port)
     loop.stop()
 
 
-def get(served: Served, path: str) -> tuple[int, dict]:
+def get(served: Served, path: str, key: str | None = None, raw: bool = False) -> tuple[int, dict | bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
     try:
-        connection.request("GET", path)  # no Authorization header
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         response = connection.getresponse()
-        return response.status, json.loads(response.read())
+        body = response.read()
+        return response.status, body if raw else json.loads(body)
     finally:
         connection.close()
+
+
+# ---- /docs and /openapi.json -------------------------------------------------------------------
+
+
+def test_the_api_docs_are_off_unless_configured_and_then_behind_the_key(served, monkeypatch):
+    from cluster.serve.app import http_app
+
+    assert (http_app.docs_url, http_app.redoc_url, http_app.openapi_url) == (None, None, None)  # FastAPI's own: open
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert get(served, path, API_KEY, raw=True)[0] == 404
+    monkeypatch.setattr(served.service, "limits", served.service.limits.model_copy(update={"api_docs": True}))
+    assert get(served, "/openapi.json")[0] == 401 and get(served, "/docs", raw=True)[0] == 401
+    status, schema = get(served, "/openapi.json", API_KEY)
+    assert status == 200 and "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
+    status, page = get(served, "/docs", API_KEY, raw=True)
+    assert status == 200 and b"swagger" in page.lower()
 
 
 # ---- /health -----------------------------------------------------------------------------------
