@@ -34,6 +34,9 @@ from cluster.serve.openai_schema import FINISH_REASONS, Call, ResponseShape, par
 from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 
 RETRY_AFTER_S = "1"
+PLACEMENTS_TTL_S = 1.0
+"""How long /health reuses Ray's list of waiting placements: probes come often, and the list is read
+from the cluster-wide placement group table."""
 log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 SampleEvents = AsyncIterator[tuple[int, StepEvent]]
 
@@ -51,6 +54,7 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
     """The routes, resolving the served models per request (a Serve replica builds them after the app)."""
     router = APIRouter()
     created = int(time.time())
+    placements = _Recent(lambda: pending_placements(), PLACEMENTS_TTL_S)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -66,7 +70,7 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         """200 while every engine loop of this replica runs, 503 otherwise (vLLM's /health, for load
         balancers, readiness probes and benchmark tools). No API key, as in vLLM. On a Ray cluster,
         placement groups of this project that wait for room (a replica or drafter being added)
-        are listed under `pending_placements`, with Ray's reason."""
+        are listed under `pending_placements`, with Ray's reason (read at most once a PLACEMENTS_TTL_S)."""
         try:
             loops = [loop for service in get_models() for loop in service.loops]
         except Exception as error:  # not serving yet (no replica context) or shutting down
@@ -74,7 +78,7 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         dead = sum(not loop.alive for loop in loops)
         if dead:
             return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
-        pending = await asyncio.to_thread(pending_placements) if ray.is_initialized() else []
+        pending = await placements.get() if ray.is_initialized() else []
         return JSONResponse({"status": "ok", **({"pending_placements": pending} if pending else {})})
 
     @router.get("/openapi.json", include_in_schema=False)
@@ -101,6 +105,29 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         return await _answer(request, get_models, lambda served, tenant: _complete(served, tenant, request, chat=True))
 
     return router
+
+
+class _Recent:
+    """A slow call's last answer (made on a worker thread), reused for `ttl_s` seconds; probes that
+    come while it runs wait for the same call."""
+
+    def __init__(self, fetch: Callable[[], object], ttl_s: float):
+        self.fetch, self.ttl_s = fetch, ttl_s
+        self._value, self._at, self._running = None, float("-inf"), None
+
+    async def get(self):
+        if time.monotonic() - self._at < self.ttl_s:
+            return self._value
+        if self._running is None:
+            self._running = asyncio.ensure_future(asyncio.to_thread(self.fetch))
+        running = self._running
+        try:
+            value = await asyncio.shield(running)
+        finally:
+            if self._running is running and running.done():
+                self._running = None
+        self._value, self._at = value, time.monotonic()
+        return value
 
 
 # ---- errors ------------------------------------------------------------------------------------

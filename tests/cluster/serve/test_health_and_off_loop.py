@@ -7,6 +7,7 @@ import asyncio
 import http.client
 import json
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -111,6 +112,26 @@ def test_health_lists_the_placements_waiting_for_room(served, monkeypatch):
     monkeypatch.setattr(openai_api.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(openai_api, "pending_placements", lambda: waiting)
     assert get(served, "/health") == (200, {"status": "ok", "pending_placements": waiting})
+
+
+def test_health_reads_rays_placement_table_at_most_once_a_second(served, monkeypatch):
+    """Probes come every few seconds from every load balancer and kubelet; the table is cluster-wide."""
+    import cluster.serve.openai_api as openai_api
+
+    calls = []
+    monkeypatch.setattr(openai_api.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(openai_api, "pending_placements", lambda: calls.append(time.monotonic()) or [])
+    monkeypatch.setattr(openai_api, "PLACEMENTS_TTL_S", 0.5)
+    app = FastAPI()
+    app.include_router(build_openai_router(lambda: ServedModels([served.service])))
+    with uvicorn_server(app, "health-cached") as port:
+        probe = Served(served.service, served.loop, port)
+        began = time.monotonic()
+        while time.monotonic() - began < 0.3:
+            assert get(probe, "/health") == (200, {"status": "ok"})
+        assert len(calls) == 1
+        time.sleep(0.6)
+        assert get(probe, "/health") == (200, {"status": "ok"}) and len(calls) == 2
 
 
 def test_health_is_unavailable_before_the_replica_serves():
