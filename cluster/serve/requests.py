@@ -310,7 +310,7 @@ class RequestBuilder:
 
     @cached_property
     def token_strings(self) -> TokenStrings:
-        """Token texts and bytes for log-probabilities (built on the first request that wants them)."""
+        """Token texts and bytes for log-probabilities (a served model's is built at its start, SpecService)."""
         return TokenStrings(self.tokenizer)
 
     @staticmethod

@@ -63,6 +63,7 @@ class SpecService(RequestBuilder):
                          default_lookahead, limits)
         self.observer = observer
         self._api_keys = limits.resolved_api_keys()
+        self.token_strings  # built now: it parses the whole tokenizer, which on the event loop stalls every stream
         self.in_flight = 0
 
     # ---- auth -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""GET /health, and requests built off the event loop: a grammar that takes long to compile holds up
-its own request only, on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods
-called without Ray)."""
+"""GET /health, the API docs, and work kept off the event loop: a grammar that takes long to compile
+holds up its own request only, and the token strings of logprobs are built before the first request,
+on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods called without Ray)."""
 from __future__ import annotations
 
 import asyncio
@@ -276,3 +276,34 @@ def test_grpc_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
     assert rest[-1].finish_reason in ("stop", "length") and fresh[-1].finish_reason in ("stop", "length")
     assert compiling, "the streams waited for the compile"
     assert answer.finish_reason in ("stop", "length") and answer.token_ids and context.code is None
+
+
+def test_the_token_strings_of_logprobs_are_not_built_on_the_event_loop(served, monkeypatch):
+    """Building them serialises and parses the whole tokenizer: on the loop, every stream would wait."""
+    import cluster.serve.requests as requests_module
+
+    on_loop = []
+
+    class Recorded(requests_module.TokenStrings):
+        def __init__(self, tokenizer):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            super().__init__(tokenizer)
+
+    monkeypatch.setattr(requests_module, "TokenStrings", Recorded)
+    service = SpecService([served.loop], served.service.tokenizer, MODEL_ID, "pld", LookaheadConfig(),
+                          ServiceLimits(api_key=API_KEY))
+    server = object.__new__(next(cls for cls in SpecServer.func_or_class.__mro__ if "_request" in vars(cls)))
+    server.models = ServedModels([service])
+    with uvicorn_server(build_http_app(lambda: ServedModels([service])), "logprobs-off-loop") as port:
+        connection, response = open_stream(Served(service, served.loop, port), {
+            "model": MODEL_ID, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2, "stream": True})
+        assert list(sse_lines(response))[-1] == b"[DONE]"
+        connection.close()
+    answer = asyncio.run(server.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(
+        max_new_tokens=3, logprobs=2)), GrpcContext()))
+    assert answer.logprobs and answer.logprobs[0].token
+    assert on_loop == [False]  # built once, at the service's start
