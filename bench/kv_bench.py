@@ -22,10 +22,11 @@ and with `"speculation": {"method": "off"}` on the same requests:
   prefill on and off: the gaps between the running streams' chunks while the prompts arrive (p50,
   p99; a chunk carries one or more tokens).
 
-Requests present a bearer token, so they have a tenant and share its prefix cache
-(`limits.cache_sharing: tenant`), as any OpenAI client does: one token for the speculative
-requests and another for the plain ones, so that neither finds prompts the other sent in the
-cache (the plain requests repeat the speculative ones' questions). Greedy texts must be identical
+Requests share the prefix cache of their scope (`limits.cache_sharing: tenant`; a deployment
+without keys is one tenant): one `cache_salt` for the speculative requests and another for the
+plain ones, so that neither finds prompts the other sent in the cache (the plain requests repeat
+the speculative ones' questions). Runs before 2026-12-03 used one bearer token per setting, which
+a deployment without keys then took for a tenant. Greedy texts must be identical
 with and without speculation, and across variants.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ from bench.specbench import DEFAULT_QUESTIONS, RESULTS_DIR, command_line, load_q
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 SCENARIOS = ("capacity", "shared-prefix", "multi-turn", "interference")
 SETTINGS = {"speculative": {}, "plain": {"speculation": {"method": "off"}}}
-TENANT_TOKEN = "kv-bench"
-"""The bearer tokens are this plus the setting's name: one tenant per setting (see the module docstring)."""
+CACHE_SALT = "kv-bench"
+"""The cache salts are this plus the setting's name: one cache scope per setting (see the module docstring)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +87,10 @@ class Client:
 
     def chat(self, messages: list[dict], max_tokens: int, setting: str) -> Reply:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **SETTINGS[setting]}
+                "stream": True, "stream_options": {"include_usage": True}, "cache_salt": f"{CACHE_SALT}-{setting}",
+                **SETTINGS[setting]}
         began, text, usage, arrivals = time.perf_counter(), "", {}, []
-        for now, event in stream_chat(self.url, body, f"{TENANT_TOKEN}-{setting}", 1200):
+        for now, event in stream_chat(self.url, body, None, 1200):
             choices = event.get("choices") or []
             delta = choices[0].get("delta", {}).get("content") if choices else None
             if delta:

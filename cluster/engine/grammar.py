@@ -8,10 +8,11 @@ matcher, which `constraints.RequestRules` walks over draft trees and rolls back.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -27,6 +28,10 @@ CACHE_SIZE = 64
 ANY_OBJECT = '{"type": "object"}'
 """What json_object asks for. JSON is generated compact (no optional whitespace, xgrammar's
 `any_whitespace=False`): a model free to add whitespace may add it without end, as small ones do."""
+
+
+class CompileTimeout(TimeoutError):
+    """A spec did not compile within the caller's deadline (it goes on compiling, and is kept)."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,15 @@ class GrammarCompiler:
 
     The outcome of the last `cache_size` distinct specs is kept (LRU), refusals included, so a spec
     sent again, even one that does not compile, costs nothing; requests with a spec being compiled
-    wait for that compilation rather than start their own.
+    wait for that compilation rather than start their own. Compiles run on `threads` threads of their
+    own, so slow ones queue behind each other, not behind (or in front of) other work.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = CACHE_SIZE,
+                 threads: int = 2):
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, not {cache_size}")
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self.cache_size = cache_size
         self._lock = threading.Lock()  # builds the xgrammar compiler once
@@ -97,9 +105,10 @@ class GrammarCompiler:
             self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
         return xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> CompiledGrammar:
         """The compiled grammar, or ValueError saying what is wrong with the spec (each compiled once
-        while it stays among the last `cache_size` distinct specs)."""
+        while it stays among the last `cache_size` distinct specs); CompileTimeout past `timeout`
+        seconds, waiting for a compile thread included."""
         with self._cache_lock:
             outcome = self._cache.get(spec)
             compiles_here = outcome is None
@@ -113,13 +122,19 @@ class GrammarCompiler:
             else:
                 self._cache.move_to_end(spec)
                 self.hits += 1
-        result = self._settle(spec, outcome) if compiles_here else outcome.result()
+        if compiles_here:
+            self._executor.submit(self._settle, spec, outcome)
+        try:
+            result = outcome.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CompileTimeout(f"did not compile within {timeout:g} s") from None
         if isinstance(result, str):
             raise ValueError(result)
         return result
 
-    def _settle(self, spec: GrammarSpec, outcome: Future) -> CompiledGrammar | str:
-        """Compile `spec` into `outcome`, for whoever waits on it; an unexpected failure is not kept."""
+    def _settle(self, spec: GrammarSpec, outcome: Future) -> None:
+        """Compile `spec` into `outcome`, for whoever waits on it (on a compile thread); an unexpected
+        failure reaches the waiters and is not kept."""
         try:
             result: CompiledGrammar | str = self._compile(spec)
         except ValueError as error:
@@ -129,9 +144,8 @@ class GrammarCompiler:
                 if self._cache.get(spec) is outcome:
                     del self._cache[spec]
             outcome.set_exception(error)
-            raise
+            return
         outcome.set_result(result)
-        return result
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compiles `spec` (no cache); ValueError saying what is wrong with it."""

@@ -18,7 +18,6 @@ import logging
 import time
 
 import grpc
-from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
@@ -37,9 +36,9 @@ from cluster.serve.grpc_api import (
 )
 from cluster.serve.metrics import SAMPLE_PERIOD_S, ServingMetrics
 from cluster.serve.models import ServedModels
-from cluster.serve.openai_api import RETRY_AFTER_S, build_openai_router
+from cluster.serve.openai_api import RETRY_AFTER_S, build_http_app
 from cluster.serve.requests import TENANT_HEADER
-from cluster.serve.service import ServiceLimits, SpecService
+from cluster.serve.service import InvalidRequest, ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 
 log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
@@ -107,8 +106,7 @@ def current_models() -> ServedModels:
     return serve.get_replica_context().servable_object.models
 
 
-http_app = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible API")
-http_app.include_router(build_openai_router(current_models))
+http_app = build_http_app(current_models)
 HEALTH_SERVICES = ("", "specserve.SpecServe")
 """What grpc.health.v1.Health/Check knows: the whole server ("") and its service; others are NOT_FOUND."""
 READY_POLL_S = 0.5
@@ -232,12 +230,14 @@ class SpecServer:
     async def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
         """The request's service and engine request, built (tokenized, its grammar compiled) on a
         worker thread: on the event loop, a large grammar would stall every stream while it compiles."""
-        self.models.authorize(metadata_value(grpc_context, "authorization"))
+        key_tenant = self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
+        if message.ByteSize() > self.models.limits.max_body_bytes:  # Serve's proxy takes up to 2 GiB
+            raise InvalidRequest("request", f"has {message.ByteSize()} bytes; the limit is "
+                                            f"{self.models.limits.max_body_bytes} (limits.max_body_bytes)")
         service = self.models.resolve(message.model)
         options = options_from(message)
-        options.tenant = service.tenant(metadata_value(grpc_context, "authorization"),
-                                        metadata_value(grpc_context, TENANT_HEADER))  # suffix decoding's cache scope
+        options.tenant = service.tenant(key_tenant, metadata_value(grpc_context, TENANT_HEADER))  # what it may share
         return service, await asyncio.to_thread(service.build_request, options)
 
     @staticmethod

@@ -92,6 +92,8 @@ def options_from(message: pb.GenerateRequest) -> RequestOptions:
     if message.HasField("structured_output"):
         payload["structured_output"] = {"kind": message.structured_output.kind,
                                         "value": message.structured_output.value or None}
+    if message.HasField("cache_salt"):
+        payload["cache_salt"] = message.cache_salt
     speculation = message.speculation
     spec: dict = {"method": speculation.method or "default"}
     if speculation.lookahead:

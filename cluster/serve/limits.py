@@ -1,12 +1,12 @@
-"""What one replica accepts: request sizes, concurrency, deadlines, the API key, and whose earlier
-outputs a request may draft from (suffix decoding's cache scope, see requests.py)."""
+"""What one replica accepts: request sizes, concurrency, deadlines, the API keys, and whose cached
+prefixes and earlier outputs a request may use (its cache scope, see requests.py)."""
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from cluster.serve.api_key import resolve_api_key
+from cluster.serve.api_key import ApiKeys, resolve_api_keys
 
 
 class ServiceLimits(BaseModel):
@@ -25,25 +25,44 @@ class ServiceLimits(BaseModel):
     max_n: int = Field(16, ge=1, le=128, description="most choices (n, best_of) one request may ask for")
     max_grammar_chars: int = Field(
         65536, ge=1, description="longest JSON schema, regular expression or grammar a request may give, in characters")
+    grammar_compile_timeout_s: float = Field(
+        30.0, gt=0, description="a structured-output spec not compiled within this many seconds (waiting for a compile "
+        "thread included) is refused with 400 naming response_format / structured_outputs (gRPC INVALID_ARGUMENT "
+        "naming structured_output); it goes on compiling and is cached, so the same spec sent later may be ready")
+    grammar_compile_threads: int = Field(
+        2, ge=1, le=64, description="threads compiling structured-output specs, per served model, apart from those "
+        "parsing requests: slow compiles wait for each other, not parsing")
+    max_body_bytes: int = Field(
+        2 * 2**20, ge=1024, description="largest HTTP request body, in bytes (a larger one is refused with 413 before "
+        "it is read whole), and largest gRPC request (INVALID_ARGUMENT naming request, before it is tokenized; "
+        "Serve's gRPC proxy itself takes up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, 2 GiB by default)")
+    max_messages: int = Field(256, ge=1, description="most chat messages one request may give")
     api_key: SecretStr | None = Field(
         None, description="when set, clients must send it (HTTP bearer, gRPC metadata 'authorization'); "
         "prefer api_key_env or api_key_file, which keep the key out of the Serve config")
     api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
     api_key_file: str | None = Field(
         None, description="path of a file holding the API key (a mounted Kubernetes Secret)")
+    api_keys_file: str | None = Field(
+        None, description="path of a YAML or JSON file mapping each API key to its tenant's name (a mounted Kubernetes "
+        "Secret): several keys, each client its tenant; re-read within a second of a change, no restart (a file that "
+        "no longer reads keeps the last good keys). At most one of api_key, api_key_env, api_key_file, api_keys_file")
+    api_docs: bool = Field(
+        False, description="serve FastAPI's /docs (Swagger UI) and /openapi.json, behind the API key like every route "
+        "but /health (a browser's Swagger UI then cannot fetch the schema: fetch it with the key); off: 404")
     cache_sharing: Literal["tenant", "global", "request"] = Field(
-        "tenant", description="whose earlier outputs suffix decoding drafts from (drafted and accepted counts "
-        "would otherwise tell a client whether a text appeared in others' outputs): tenant (outputs of the same "
-        "tenant, as tenant_from identifies it; a request without one shares nothing), global (everyone's), or "
-        "request (none: only the request's own text)")
+        "tenant", description="whose cached prompt prefixes (the prefix cache) and earlier outputs (suffix decoding) "
+        "a request may use (cached_tokens and the drafted and accepted counts would otherwise tell a client whether a "
+        "text appeared in others' requests): tenant (the same tenant's, as tenant_from identifies it; a request without "
+        "one shares nothing), global (everyone's), or request (none: only the request's own text)")
     tenant_from: Literal["api_key", "header", "user"] = Field(
-        "api_key", description="cache_sharing tenant: what identifies a tenant: api_key (a hash of the API key the "
-        "client presented, never the key; on a server without a key, of whatever bearer token it sent), header "
+        "api_key", description="cache_sharing tenant: what identifies a tenant: api_key (the tenant the client's API "
+        "key names; a deployment without keys is one tenant, whatever bearer token a client sends), header "
         "(the 'x-specserve-tenant' HTTP header or gRPC metadata, set by a trusted gateway), or user (the OpenAI "
         "body's 'user' field). header and user are client-controlled unless a gateway in front sets or checks them: "
         "choose them only then")
 
-    def resolved_api_key(self) -> SecretStr | None:
-        """The key from whichever source is configured; a named source that is missing is an error,
-        never a silently open server."""
-        return resolve_api_key(self.api_key, self.api_key_env, self.api_key_file)
+    def resolved_api_keys(self) -> ApiKeys | None:
+        """The keys from whichever source is configured; a named source that is missing or malformed is
+        an error, never a silently open server."""
+        return resolve_api_keys(self.api_key, self.api_key_env, self.api_key_file, self.api_keys_file)

@@ -39,9 +39,15 @@ class ServedModels:
             raise ModelNotFound(name, list(self.services))
         return service
 
-    def authorize(self, header_value: str | None) -> None:
-        """Every model of an application shares its limits, API key included."""
-        next(iter(self.services.values())).authorize(header_value)
+    def authorize(self, header_value: str | None) -> str | None:
+        """The key's tenant (SpecService.authorize): every model of an application shares its limits,
+        API keys included."""
+        return next(iter(self.services.values())).authorize(header_value)
+
+    @property
+    def limits(self):
+        """The application's limits (every model shares them)."""
+        return next(iter(self.services.values())).limits
 
     def __iter__(self):
         return iter(self.services.values())

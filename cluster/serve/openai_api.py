@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 
 import ray
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.engine.request import GenerationOutput
@@ -33,18 +34,31 @@ from cluster.serve.openai_schema import FINISH_REASONS, Call, ResponseShape, par
 from cluster.serve.service import InvalidRequest, Overloaded, Unauthorized
 
 RETRY_AFTER_S = "1"
+PLACEMENTS_TTL_S = 1.0
+"""How long /health reuses Ray's list of waiting placements: probes come often, and the list is read
+from the cluster-wide placement group table."""
 log = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log file
 SampleEvents = AsyncIterator[tuple[int, StepEvent]]
+
+
+def build_http_app(get_models: Callable[[], ServedModels]) -> FastAPI:
+    """The HTTP app. FastAPI's own /docs, /redoc and /openapi.json are off (they answer anyone); the
+    router serves /docs and /openapi.json behind the key, and only with `limits.api_docs`."""
+    app = FastAPI(title="specserve", description="Lossless speculative decoding, OpenAI-compatible API",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(build_openai_router(get_models))
+    return app
 
 
 def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
     """The routes, resolving the served models per request (a Serve replica builds them after the app)."""
     router = APIRouter()
     created = int(time.time())
+    placements = _Recent(lambda: pending_placements(), PLACEMENTS_TTL_S)
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        async def models(served: ServedModels) -> Response:
+        async def models(served: ServedModels, tenant: str | None) -> Response:
             cards = [{"id": service.model_id, "object": "model", "created": created, "owned_by": "specserve"}
                      for service in served]
             return JSONResponse({"object": "list", "data": cards})
@@ -56,7 +70,7 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         """200 while every engine loop of this replica runs, 503 otherwise (vLLM's /health, for load
         balancers, readiness probes and benchmark tools). No API key, as in vLLM. On a Ray cluster,
         placement groups of this project that wait for room (a replica or drafter being added)
-        are listed under `pending_placements`, with Ray's reason."""
+        are listed under `pending_placements`, with Ray's reason (read at most once a PLACEMENTS_TTL_S)."""
         try:
             loops = [loop for service in get_models() for loop in service.loops]
         except Exception as error:  # not serving yet (no replica context) or shutting down
@@ -64,21 +78,77 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         dead = sum(not loop.alive for loop in loops)
         if dead:
             return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
-        pending = await asyncio.to_thread(pending_placements) if ray.is_initialized() else []
+        pending = await placements.get() if ray.is_initialized() else []
         return JSONResponse({"status": "ok", **({"pending_placements": pending} if pending else {})})
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        async def schema(served: ServedModels, tenant: str | None) -> Response:
+            return JSONResponse(request.app.openapi()) if served.limits.api_docs else _not_found()
+
+        return await _answer(request, get_models, schema)
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        async def page(served: ServedModels, tenant: str | None) -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="specserve") if served.limits.api_docs \
+                else _not_found()
+
+        return await _answer(request, get_models, page)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, get_models, lambda served: _complete(served, request, chat=False))
+        return await _answer(request, get_models, lambda served, tenant: _complete(served, tenant, request, chat=False))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, get_models, lambda served: _complete(served, request, chat=True))
+        return await _answer(request, get_models, lambda served, tenant: _complete(served, tenant, request, chat=True))
 
     return router
 
 
+class _Recent:
+    """A slow call's last answer (made on a worker thread), reused for `ttl_s` seconds; probes that
+    come while it runs wait for the same call."""
+
+    def __init__(self, fetch: Callable[[], object], ttl_s: float):
+        self.fetch, self.ttl_s = fetch, ttl_s
+        self._value, self._at, self._running = None, float("-inf"), None
+
+    async def get(self):
+        if time.monotonic() - self._at < self.ttl_s:
+            return self._value
+        if self._running is None:
+            self._running = asyncio.ensure_future(asyncio.to_thread(self.fetch))
+        running = self._running
+        try:
+            value = await asyncio.shield(running)
+        finally:
+            if self._running is running and running.done():
+                self._running = None
+        self._value, self._at = value, time.monotonic()
+        return value
+
+
 # ---- errors ------------------------------------------------------------------------------------
+
+
+class BodyTooLarge(ValueError):
+    """A body over `limits.max_body_bytes` (413): refused before it is read whole."""
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, read no further than `limit` bytes (Content-Length, when given, is checked first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the body has {int(declared)} bytes; the limit is {limit} (limits.max_body_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the body has more than {limit} bytes, the limit (limits.max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
@@ -88,15 +158,15 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
 
 
 async def _answer(request: Request, get_models: Callable[[], ServedModels],
-                  produce: Callable[[ServedModels], Awaitable[Response]]) -> Response:
-    """Authorize, run the route, and turn the service's refusals into OpenAI error responses.
+                  produce: Callable[[ServedModels, str | None], Awaitable[Response]]) -> Response:
+    """Authorize (the key names the caller's tenant), run the route, and turn the service's refusals into OpenAI error responses.
 
     A router cannot carry exception handlers (they belong to the app), so each route goes through here.
     """
     try:
         served = get_models()
-        served.authorize(request.headers.get("authorization"))
-        return await produce(served)
+        tenant = served.authorize(request.headers.get("authorization"))
+        return await produce(served, tenant)
     except Unauthorized as error:
         status, response = 401, _error(401, str(error), "invalid_request_error", code="invalid_api_key",
                                        headers={"WWW-Authenticate": "Bearer"})
@@ -104,10 +174,17 @@ async def _answer(request: Request, get_models: Callable[[], ServedModels],
         status, response = 404, _error(404, str(error), "invalid_request_error", param="model", code="model_not_found")
     except InvalidRequest as error:
         status, response = 400, _error(400, str(error), "invalid_request_error", param=error.field)
+    except BodyTooLarge as error:
+        status, response = 413, _error(413, str(error), "invalid_request_error", param="body", code="request_too_large")
     except Overloaded as error:
         status, response = 503, _error(503, str(error), "overloaded", headers={"Retry-After": RETRY_AFTER_S})
     log.info("%s %s refused with %d: %s", request.method, request.url.path, status, response.body.decode())
     return response
+
+
+def _not_found() -> JSONResponse:
+    """What an absent route answers (Starlette's 404)."""
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
 
 
 def _unhealthy(reason: str) -> JSONResponse:
@@ -175,12 +252,12 @@ async def _outputs_unless_abandoned(call: Call, request: Request) -> list[Genera
     return None if work.cancelled() else work.result()
 
 
-async def _complete(served: ServedModels, request: Request, chat: bool) -> Response:
+async def _complete(served: ServedModels, tenant: str | None, request: Request, chat: bool) -> Response:
     request_id = uuid.uuid4().hex
-    body = await request.body()
+    body = await _body(request, served.limits.max_body_bytes)
     # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
     # event loop: a worker thread of the loop's (bounded) default executor does it
-    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers)
+    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers, tenant)
     service = call.service
     strings = service.token_strings if call.logprobs else None
     shape = ResponseShape(id=("chatcmpl-" if chat else "cmpl-") + request_id, created=int(time.time()), model=service.model_id,

@@ -30,7 +30,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Fields that select what this server does, per endpoint; anything not listed here or below is refused.
 COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "speculation",
                  "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "response_format",
-                 "structured_outputs"}
+                 "structured_outputs", "cache_salt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -47,7 +47,7 @@ NEUTRAL_ONLY = {
 }
 """Features this server lacks, with the values that ask for none of them."""
 PASSED_THROUGH = ("temperature", "top_p", "top_k", "seed", "stop", "speculation", "n", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty")
+                  "frequency_penalty", "repetition_penalty", "cache_salt")
 """Body fields that are RequestOptions fields of the same name and meaning."""
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
 """vLLM's `structured_outputs` keys and the kinds they name."""
@@ -233,8 +233,9 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
 
 
 def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str,
-               headers: Mapping[str, str] | None = None) -> Call:
-    """The request a body asks for, checked field by field (InvalidRequest names the wire field;
+               headers: Mapping[str, str] | None = None, key_tenant: str | None = None) -> Call:
+    """The request a body asks for, from the tenant its API key names (`ServedModels.authorize`),
+    checked field by field (InvalidRequest names the wire field;
     ModelNotFound names a model that is not served). It tokenizes the prompt and compiles any
     grammar, so the routes call it on a worker thread, not on the event loop."""
     body = _json_object(raw_body)
@@ -243,7 +244,7 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     stream, include_usage = _flag(body, "stream"), _include_usage(body)
     fields, renames = _options(body, chat, service)
     headers = headers or {}  # who sent it: the cache scope of suffix decoding (limits.cache_sharing)
-    fields["tenant"] = service.tenant(headers.get("authorization"), headers.get(TENANT_HEADER), body.get("user"))
+    fields["tenant"] = service.tenant(key_tenant, headers.get(TENANT_HEADER), body.get("user"))
     try:
         samples = service.build_samples(service.parse_options(fields), request_id)
     except InvalidRequest as error:

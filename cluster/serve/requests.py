@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.engine.config import EngineConfig, Method
-from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, GrammarCompiler, GrammarSpec
+from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, CompileTimeout, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationRequest
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.samples import Samples
@@ -31,6 +31,8 @@ from speculators.sampling import SamplingParams
 DEFAULT_MAX_NEW_TOKENS = 128
 TENANT_HEADER = "x-specserve-tenant"
 """The HTTP header (gRPC metadata key) naming a request's tenant, read only with `limits.tenant_from` header."""
+OPEN_DEPLOYMENT = "\0a deployment without API keys"
+"""The one tenant of a deployment that has no keys (no key file can name a tenant with a NUL in it)."""
 
 
 class InvalidRequest(ValueError):
@@ -99,6 +101,9 @@ class RequestOptions(BaseModel):
     """Who sent the request, as the front end identified them (`RequestBuilder.tenant`, never a body
     field): with `limits.cache_sharing` tenant, the request drafts only from its tenant's earlier
     outputs. None: unknown (such a request shares nothing)."""
+    cache_salt: str | None = None
+    """vLLM's per-request salt: the request shares cached prefixes and earlier outputs only with
+    requests of its tenant that give the same salt."""
 
 
 def _check_utf8(field: str, text: str) -> None:
@@ -125,14 +130,15 @@ class RequestBuilder:
         return cls(engine, tokenizer, config.model, config.method, config.lookahead,
                    ServiceLimits(max_prompt_tokens=window, max_new_tokens=window, cache_sharing="global"))
 
-    def tenant(self, authorization: str | None = None, header: str | None = None, user: object = None) -> str | None:
-        """Who sent a request, as `limits.tenant_from` identifies tenants, from the credential presented
-        (HTTP `Authorization`, gRPC metadata `authorization`), the TENANT_HEADER and the OpenAI body's
-        `user`: a hash naming its source, never the key or value itself; None when that source is
-        empty. Front ends put it in RequestOptions.tenant."""
+    def tenant(self, key_tenant: str | None = None, header: str | None = None, user: object = None) -> str | None:
+        """Who sent a request, as `limits.tenant_from` identifies tenants: the tenant the presented API
+        key names (`SpecService.authorize`; a deployment without keys is one tenant, so its requests
+        share with each other), the TENANT_HEADER, or the OpenAI body's `user`; a hash naming its
+        source, never the value itself; None when a header or user source is empty (nothing shared).
+        Front ends put it in RequestOptions.tenant."""
         source = self.limits.tenant_from
         if source == "api_key":
-            value = (authorization or "").removeprefix("Bearer ").strip()
+            value = key_tenant or OPEN_DEPLOYMENT
         elif source == "header":
             value = (header or "").strip()
         else:
@@ -144,14 +150,20 @@ class RequestBuilder:
         digest = hashlib.sha256(f"specserve tenant\0{source}\0{value}".encode(errors="replace")).hexdigest()
         return f"{source}:{digest[:32]}"
 
-    def _cache_scope(self, tenant: str | None) -> str | None:
-        """GenerationRequest.cache_scope under `limits.cache_sharing`."""
+    def _cache_scope(self, tenant: str | None, salt: str | None) -> str | None:
+        """GenerationRequest.cache_scope (the prefix cache's and the suffix index's) under
+        `limits.cache_sharing`, salted by the request's `cache_salt`."""
+        if salt is not None:
+            if not salt:
+                raise InvalidRequest("cache_salt", "must be a non-empty string when given")
+            _check_utf8("cache_salt", salt)
         sharing = self.limits.cache_sharing
-        if sharing == "global":
-            return ""
-        if sharing == "request" or not tenant:
+        if sharing == "request" or (sharing == "tenant" and not tenant):
             return None
-        return "tenant:" + tenant
+        scope = "" if sharing == "global" else "tenant:" + tenant
+        if salt is None:
+            return scope
+        return f"{scope}\0salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
 
     def _prompt_ids(self, options: RequestOptions) -> list[int]:
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(options, name) not in (None, [], "")]
@@ -163,6 +175,9 @@ class RequestBuilder:
         elif options.prompt_token_ids:
             ids = list(options.prompt_token_ids)
         else:
+            if len(options.messages) > self.limits.max_messages:
+                raise InvalidRequest("messages", f"has {len(options.messages)} messages; the limit is "
+                                                 f"{self.limits.max_messages}")
             for index, message in enumerate(options.messages):
                 if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
                         or message.get("role") not in ("system", "user", "assistant"):
@@ -229,7 +244,7 @@ class RequestBuilder:
             speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
             logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
-            cache_scope=self._cache_scope(options.tenant),
+            cache_scope=self._cache_scope(options.tenant, options.cache_salt),
         )
         try:
             self.engine.validate(request)  # the engine's own limits (context window, vocabulary)
@@ -267,10 +282,15 @@ class RequestBuilder:
         if len(structured.value or "") > self.limits.max_grammar_chars:
             raise InvalidRequest("structured_output", f"has {len(structured.value)} characters; the limit is "
                                                       f"{self.limits.max_grammar_chars}")
+        timeout = self.limits.grammar_compile_timeout_s
         try:
-            return self.grammars.compile(GrammarSpec(structured.kind, structured.value))
+            return self.grammars.compile(GrammarSpec(structured.kind, structured.value), timeout)
         except ValueError as error:
             raise InvalidRequest("structured_output", str(error)) from None
+        except CompileTimeout:
+            raise InvalidRequest("structured_output", f"did not compile within the server's {timeout:g} s "
+                                                      "(limits.grammar_compile_timeout_s); simplify it, or send it "
+                                                      "again later: its compile goes on") from None
 
     grammar_cache_size: int = CACHE_SIZE
     """Distinct structured-output specs whose compiled grammar (or refusal) is kept, per served model."""
@@ -285,12 +305,12 @@ class RequestBuilder:
                 engine = self.engine
                 self.__dict__["grammars"] = GrammarCompiler(
                     self.tokenizer, engine.vocab_size or len(self.tokenizer), engine.eos_token_ids,
-                    self.grammar_cache_size)
+                    self.grammar_cache_size, self.limits.grammar_compile_threads)
             return self.__dict__["grammars"]
 
     @cached_property
     def token_strings(self) -> TokenStrings:
-        """Token texts and bytes for log-probabilities (built on the first request that wants them)."""
+        """Token texts and bytes for log-probabilities (a served model's is built at its start, SpecService)."""
         return TokenStrings(self.tokenizer)
 
     @staticmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
@@ -63,18 +62,21 @@ class SpecService(RequestBuilder):
         super().__init__(self.loops[0].engine if self.loops else None, tokenizer, model_id, method,
                          default_lookahead, limits)
         self.observer = observer
-        self._api_key = limits.resolved_api_key()
+        self._api_keys = limits.resolved_api_keys()
+        self.token_strings  # built now: it parses the whole tokenizer, which on the event loop stalls every stream
         self.in_flight = 0
 
     # ---- auth -------------------------------------------------------------------------------
 
-    def authorize(self, header_value: str | None) -> None:
-        """Accepts 'Bearer KEY' or the bare key; constant-time comparison."""
-        if self._api_key is None:
-            return
-        presented = (header_value or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(presented.encode(errors="replace"), self._api_key.get_secret_value().encode()):
+    def authorize(self, header_value: str | None) -> str | None:
+        """The tenant the presented key names ('Bearer KEY' or the bare key); None on a deployment
+        without keys (one tenant, RequestBuilder.tenant)."""
+        if self._api_keys is None:
+            return None
+        tenant = self._api_keys.tenant_of((header_value or "").removeprefix("Bearer ").strip())
+        if tenant is None:
             raise Unauthorized("missing or invalid API key")
+        return tenant
 
     # ---- running -------------------------------------------------------------------------------
 

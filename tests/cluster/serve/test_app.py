@@ -130,6 +130,31 @@ def test_http_health_needs_no_api_key(ports):
     connection.close()
 
 
+def test_the_deployed_app_keeps_its_docs_off_and_bounds_its_bodies_and_shares_without_keys(ports, stub):
+    """Through Serve's proxies: /docs and /openapi.json are off, a body past limits.max_body_bytes is
+    413, and a deployment without keys is one tenant (the second unauthenticated request finds the
+    first one's prompt in the prefix cache)."""
+    def call(method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=120)
+        try:
+            connection.request(method, path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    assert call("GET", "/docs")[0] == 404 and call("GET", "/openapi.json")[0] == 404
+    status, answer = call("POST", "/v1/completions", b'{"prompt": "' + b"x" * (3 * 2**20) + b'"}')
+    assert status == 413 and json.loads(answer)["error"]["param"] == "body"
+    long_prompt = " ".join(f"Shared fact {i} of the tenant-less deployment." for i in range(12))
+    body = json.dumps({"prompt": long_prompt, "max_tokens": 2, "temperature": 0}).encode()
+    cached = [json.loads(call("POST", "/v1/completions", body)[1])["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for _ in range(2)]
+    assert cached[0] == 0 < cached[1]
+    grpc_cached = stub.Generate(pb.GenerateRequest(text=long_prompt, sampling=pb.Sampling(max_new_tokens=2)), timeout=120)
+    assert grpc_cached.stats.cached_prompt_tokens > 0  # gRPC, no metadata: the same one tenant
+
+
 def test_the_first_replica_says_when_the_application_is_ready(ports):
     """One line with the ports in the replica's log (and on its stderr, which `serve run` shows)."""
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"

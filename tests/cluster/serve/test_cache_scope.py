@@ -1,6 +1,6 @@
-"""Suffix decoding's cache scope as the front ends set it (limits.cache_sharing, limits.tenant_from):
-a tenant is told apart by a hash of its API key unless the deployment trusts a header or the OpenAI
-`user` field, and no client can name its scope itself."""
+"""The cache scope (prefix cache and suffix index) as the front ends set it (limits.cache_sharing,
+limits.tenant_from): a tenant is the one its API key names (a deployment without keys is one tenant)
+unless the deployment trusts a header or the OpenAI `user` field, and no client names its scope itself."""
 from __future__ import annotations
 
 import asyncio
@@ -37,18 +37,28 @@ def service(**limits) -> SpecService:
 
 
 def scope(served: SpecService, headers: dict[str, str] | None = None, **body) -> str | None:
+    """The cache scope of a completion sent with these headers, as the HTTP route builds it."""
     raw = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, **body}).encode()
-    return parse_call(raw, ServedModels([served]), False, "id", headers).samples.requests[0].cache_scope
+    key_tenant = served.authorize((headers or {}).get("authorization"))
+    return parse_call(raw, ServedModels([served]), False, "id", headers, key_tenant).samples.requests[0].cache_scope
 
 
-def test_tenants_are_told_apart_by_a_hash_of_their_api_key():
+def test_a_deployment_without_keys_is_one_tenant():
+    """`make serve` has no key: curl, GuideLLM (no Authorization) and the openai client (any token)
+    share one scope, so they hit the prefix cache; the token is no credential there."""
     served = service()  # the default: cache_sharing tenant, tenant_from api_key
-    a = scope(served, {"authorization": "Bearer key-a"})
-    assert a == scope(served, {"authorization": "Bearer key-a"}) != scope(served, {"authorization": "Bearer key-b"})
-    assert a.startswith("tenant:api_key:") and "key-a" not in a
+    shared = scope(served)
+    assert shared and shared.startswith("tenant:api_key:")
+    assert scope(served, {"authorization": "Bearer EMPTY"}) == shared == scope(served, {"authorization": "Bearer sk-x"})
     # the header and the user field are the client's to choose: not read unless the deployment says so
-    assert scope(served, {"authorization": "Bearer key-a", TENANT_HEADER: "someone"}, user="else") == a
-    assert scope(served) is None and scope(served, {TENANT_HEADER: "someone"}, user="else") is None  # shares nothing
+    assert scope(served, {TENANT_HEADER: "someone"}, user="else") == shared
+
+
+def test_the_holders_of_the_one_key_are_one_tenant():
+    served = service(api_key="key-a")
+    keyed = scope(served, {"authorization": "Bearer key-a"})
+    assert keyed.startswith("tenant:api_key:") and "key-a" not in keyed and keyed == scope(served, {"authorization": "key-a"})
+    assert keyed != scope(service(), {"authorization": "Bearer key-a"})  # not the keyless deployment's tenant
 
 
 def test_a_client_cannot_name_its_scope_in_the_body():
@@ -93,10 +103,18 @@ def test_grpc_requests_get_the_scope_of_the_same_tenant_over_http():
     server = object.__new__(servable)  # no __init__: the replica's models only
     message = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.Sampling(max_new_tokens=4))
     for limits, metadata, headers in [
-        ({}, [("authorization", "key-a")], {"authorization": "Bearer key-a"}),
+        ({"api_key": "key-a"}, [("authorization", "key-a")], {"authorization": "Bearer key-a"}),
         ({"tenant_from": "header"}, [(TENANT_HEADER, "team-1")], {TENANT_HEADER: "team-1"}),
     ]:
         served = service(**limits)
         server.models = ServedModels([served])
         _, request = asyncio.run(server._request(message, GrpcContext(metadata)))
         assert request.cache_scope == scope(served, headers) and request.cache_scope
+
+
+def test_a_cache_salt_narrows_every_sharing_but_none():
+    salted = scope(service(cache_sharing="global"), cache_salt="my salt")
+    assert salted != "" and salted == scope(service(cache_sharing="global"), cache_salt="my salt")
+    assert "my salt" not in salted  # hashed
+    assert scope(service(), cache_salt="s") not in (scope(service()), salted)
+    assert scope(service(cache_sharing="request"), cache_salt="s") is None

@@ -1,12 +1,13 @@
-"""GET /health, and requests built off the event loop: a grammar that takes long to compile holds up
-its own request only, on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods
-called without Ray)."""
+"""GET /health, the API docs, and work kept off the event loop: a grammar that takes long to compile
+holds up its own request only, and the token strings of logprobs are built before the first request,
+on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods called without Ray)."""
 from __future__ import annotations
 
 import asyncio
 import http.client
 import json
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +20,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.loop import EngineLoop
 from cluster.serve.app import SpecServer
 from cluster.serve.models import ServedModels
-from cluster.serve.openai_api import build_openai_router
+from cluster.serve.openai_api import build_http_app, build_openai_router
 from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 from speculators.lookahead import LookaheadConfig
@@ -52,21 +53,38 @@ def served(default_model_path):
     engine = local_engine(model, tokenizer, PromptLookupProposer(), SchedulerConfig(max_len=512))
     loop = EngineLoop(engine, "health-test-engine")
     service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
-    app = FastAPI()
-    app.include_router(build_openai_router(lambda: ServedModels([service])))
+    app = build_http_app(lambda: ServedModels([service]))  # as the deployment builds it
     with uvicorn_server(app, "health-test-server") as port:
         yield Served(service, loop, port)
     loop.stop()
 
 
-def get(served: Served, path: str) -> tuple[int, dict]:
+def get(served: Served, path: str, key: str | None = None, raw: bool = False) -> tuple[int, dict | bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
     try:
-        connection.request("GET", path)  # no Authorization header
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         response = connection.getresponse()
-        return response.status, json.loads(response.read())
+        body = response.read()
+        return response.status, body if raw else json.loads(body)
     finally:
         connection.close()
+
+
+# ---- /docs and /openapi.json -------------------------------------------------------------------
+
+
+def test_the_api_docs_are_off_unless_configured_and_then_behind_the_key(served, monkeypatch):
+    from cluster.serve.app import http_app
+
+    assert (http_app.docs_url, http_app.redoc_url, http_app.openapi_url) == (None, None, None)  # FastAPI's own: open
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert get(served, path, API_KEY, raw=True)[0] == 404
+    monkeypatch.setattr(served.service, "limits", served.service.limits.model_copy(update={"api_docs": True}))
+    assert get(served, "/openapi.json")[0] == 401 and get(served, "/docs", raw=True)[0] == 401
+    status, schema = get(served, "/openapi.json", API_KEY)
+    assert status == 200 and "/v1/chat/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
+    status, page = get(served, "/docs", API_KEY, raw=True)
+    assert status == 200 and b"swagger" in page.lower()
 
 
 # ---- /health -----------------------------------------------------------------------------------
@@ -94,6 +112,26 @@ def test_health_lists_the_placements_waiting_for_room(served, monkeypatch):
     monkeypatch.setattr(openai_api.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(openai_api, "pending_placements", lambda: waiting)
     assert get(served, "/health") == (200, {"status": "ok", "pending_placements": waiting})
+
+
+def test_health_reads_rays_placement_table_at_most_once_a_second(served, monkeypatch):
+    """Probes come every few seconds from every load balancer and kubelet; the table is cluster-wide."""
+    import cluster.serve.openai_api as openai_api
+
+    calls = []
+    monkeypatch.setattr(openai_api.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(openai_api, "pending_placements", lambda: calls.append(time.monotonic()) or [])
+    monkeypatch.setattr(openai_api, "PLACEMENTS_TTL_S", 0.5)
+    app = FastAPI()
+    app.include_router(build_openai_router(lambda: ServedModels([served.service])))
+    with uvicorn_server(app, "health-cached") as port:
+        probe = Served(served.service, served.loop, port)
+        began = time.monotonic()
+        while time.monotonic() - began < 0.3:
+            assert get(probe, "/health") == (200, {"status": "ok"})
+        assert len(calls) == 1
+        time.sleep(0.6)
+        assert get(probe, "/health") == (200, {"status": "ok"}) and len(calls) == 2
 
 
 def test_health_is_unavailable_before_the_replica_serves():
@@ -238,3 +276,34 @@ def test_grpc_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
     assert rest[-1].finish_reason in ("stop", "length") and fresh[-1].finish_reason in ("stop", "length")
     assert compiling, "the streams waited for the compile"
     assert answer.finish_reason in ("stop", "length") and answer.token_ids and context.code is None
+
+
+def test_the_token_strings_of_logprobs_are_not_built_on_the_event_loop(served, monkeypatch):
+    """Building them serialises and parses the whole tokenizer: on the loop, every stream would wait."""
+    import cluster.serve.requests as requests_module
+
+    on_loop = []
+
+    class Recorded(requests_module.TokenStrings):
+        def __init__(self, tokenizer):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            super().__init__(tokenizer)
+
+    monkeypatch.setattr(requests_module, "TokenStrings", Recorded)
+    service = SpecService([served.loop], served.service.tokenizer, MODEL_ID, "pld", LookaheadConfig(),
+                          ServiceLimits(api_key=API_KEY))
+    server = object.__new__(next(cls for cls in SpecServer.func_or_class.__mro__ if "_request" in vars(cls)))
+    server.models = ServedModels([service])
+    with uvicorn_server(build_http_app(lambda: ServedModels([service])), "logprobs-off-loop") as port:
+        connection, response = open_stream(Served(service, served.loop, port), {
+            "model": MODEL_ID, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 2, "stream": True})
+        assert list(sse_lines(response))[-1] == b"[DONE]"
+        connection.close()
+    answer = asyncio.run(server.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(
+        max_new_tokens=3, logprobs=2)), GrpcContext()))
+    assert answer.logprobs and answer.logprobs[0].token
+    assert on_loop == [False]  # built once, at the service's start
