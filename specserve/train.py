@@ -67,8 +67,9 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
     engine = local_engine(target, tokenizer, None, SchedulerConfig(max_sequences=GENERATION_BATCH,
                                                                    max_len=len(opening) + SELF_PROMPT_TOKENS + 1))
     while len(prompts) < count and seed < 4 * count + 64:
-        sampling = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i) for i in range(GENERATION_BATCH)]
-        seed += GENERATION_BATCH
+        wanted = min(GENERATION_BATCH, count - len(prompts))  # only the missing turns: top-p sorts the vocabulary a token
+        sampling = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i) for i in range(wanted)]
+        seed += wanted
         requests = [GenerationRequest(uuid.uuid4().hex, opening, s, max_new_tokens=SELF_PROMPT_TOKENS, speculate=False)
                     for s in sampling]
         for output in engine.generate(requests):

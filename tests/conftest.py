@@ -150,10 +150,11 @@ def _with_default_tokenizer(reference: LlamaForCausalLM, path, default_model_pat
 @pytest.fixture(scope="session")
 def tiny_heads(tiny_model, tmp_path_factory):
     """(EAGLE-3 head, Medusa heads, their held-out figures) trained for seconds on the tiny target's
-    own answers, the way `specserve train` trains: drafts of theirs get accepted."""
-    from tests.speculators.heads_fixtures import trained_tiny_heads
+    own answers, the way `specserve train` trains: drafts of theirs get accepted. Loaded from
+    tests/data/tiny-heads when they were trained from this target with these settings."""
+    from tests.speculators.heads_fixtures import tiny_heads
 
-    return trained_tiny_heads(tiny_model[0], tmp_path_factory.mktemp("tiny-heads"))
+    return tiny_heads(tiny_model[0], tmp_path_factory.mktemp("tiny-heads"))
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ parametrized by model: pytest finishes one model's tests and frees its groups be
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -69,13 +70,17 @@ def default_case(request) -> Case:
     params=[pytest.param(tiny_case, id="tiny"), pytest.param(default_case, id="smollm2", marks=pytest.mark.default_model)],
 )
 def model(request):
-    """A model case and its TP=1 and TP=2 groups, shut down when its tests are done."""
+    """A model case and its TP=1 and TP=2 groups, shut down when its tests are done. The groups start
+    at once: most of a start is waiting for worker processes."""
     case = request.param(request)
     groups = {}
     try:
-        for size in (1, 2):
-            groups[size] = TargetGroup(case.path, size, max_sequences=2, max_len=128, dtype=case.dtype,
-                                       cache=CacheOptions(block_size=4, prefix_caching=True))
+        with ThreadPoolExecutor(2) as pool:
+            starting = {size: pool.submit(TargetGroup, case.path, size, max_sequences=2, max_len=128, dtype=case.dtype,
+                                          cache=CacheOptions(block_size=4, prefix_caching=True)) for size in (1, 2)}
+        groups.update({size: future.result() for size, future in starting.items() if future.exception() is None})
+        for future in starting.values():
+            future.result()  # a failed start raises, once the groups that started are kept for shutting down
         yield case, groups
     finally:
         for group in groups.values():

@@ -6,6 +6,7 @@ import time
 
 from bench import gpu_check
 from bench.gpu_checks import CHECKS
+from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 
 
 def report(out) -> dict:
@@ -13,7 +14,8 @@ def report(out) -> dict:
     return json.loads(path.read_text())
 
 
-def test_the_cpu_dry_run_passes_every_check(tmp_path):
+def test_the_cpu_dry_run_passes_every_check(tmp_path, ray_four_gpus):
+    """shard_path puts its actors on the shared Ray: the check uses a Ray that is up instead of starting one."""
     assert gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     checks = report(tmp_path)["checks"]
     assert list(checks) == list(CHECKS)

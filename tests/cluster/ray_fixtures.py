@@ -6,8 +6,8 @@ even when another one runs on this machine, and token auth is off so the cluster
 
 Most modules share one such cluster (tests/conftest.py's `shared_ray`, started once and run last: a
 start costs seconds): they ask for `ray_four_gpus`, and those that deploy an app to Serve on it for
-`shared_serve`. A module that needs a cluster of its own (other resources, several nodes, a Ray
-session's logs to itself) starts one with `local_ray` or `serve_on_local_ray`.
+`shared_serve`. A module that needs a cluster of its own (other resources, several nodes, Serve
+with other options) starts one with `local_ray` or `serve_on_local_ray`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 hidden size 32, 4 layers), and public-layout checkpoints written from them."""
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -103,6 +105,16 @@ def tiny_training_data(model, prompts: int = 128, new_tokens: int = 32, seed: in
     return answers.record(prompts, new_tokens)
 
 
+TRAINING = {"prompts": 128, "new_tokens": 32, "data_seed": 0, "seed": 0, "draft_vocab": 48, "medusa_heads": 4,
+            "train": {"epochs": 40, "batch_rows": 1024, "lr": 3e-3, "warmup_steps": 10, "eval_every": 10_000,
+                      "checkpoint_every": 10_000, "autocast": False}}
+"""How `trained_tiny_heads` trains; with the tiny target's weights, the key of the committed heads."""
+
+TINY_HEADS = Path(__file__).parents[1] / "data" / "tiny-heads"
+"""The heads trained_tiny_heads trained, committed (weights, figures and key) so that a session loads
+them instead of training for a minute; `python -m tests.speculators.heads_fixtures` rewrites them."""
+
+
 def trained_tiny_heads(model, folder: Path):
     """An EAGLE-3 head and Medusa heads trained for a few seconds on the tiny target's answers:
     they predict it well enough that drafts get accepted. Returns (eagle3 head, medusa heads,
@@ -114,13 +126,12 @@ def trained_tiny_heads(model, folder: Path):
     from speculators.train.vocab import frequent_tokens
     from tests.conftest import tiny_hf_config
 
-    torch.manual_seed(0)
-    examples = tiny_training_data(model)
+    torch.manual_seed(TRAINING["seed"])
+    examples = tiny_training_data(model, TRAINING["prompts"], TRAINING["new_tokens"], TRAINING["data_seed"])
     train_set = [e for e in examples if not e.held_out]
-    vocabulary = frequent_tokens([e.tokens for e in train_set], 48, VOCAB)
+    vocabulary = frequent_tokens([e.tokens for e in train_set], TRAINING["draft_vocab"], VOCAB)
     lm_rows = model.head_weight()[vocabulary].float()
-    config = TrainConfig(epochs=40, batch_rows=1024, lr=3e-3, warmup_steps=10, eval_every=10_000,
-                         checkpoint_every=10_000, autocast=False)
+    config = TrainConfig(**TRAINING["train"])
 
     def columns(layers):
         width = [*AUX, LAYERS]
@@ -135,9 +146,68 @@ def trained_tiny_heads(model, folder: Path):
                                                   [e for e in eagle_examples if e.held_out], config, folder / "eagle3",
                                                   log=lambda _: None))
     medusa_examples = columns((LAYERS,))
-    heads = new_heads(HIDDEN, VOCAB, 4, vocabulary, lm_rows)
+    heads = new_heads(HIDDEN, VOCAB, TRAINING["medusa_heads"], vocabulary, lm_rows)
     medusa_objective = MedusaObjective(heads)
     medusa_figures = medusa_objective.summary(train(heads, medusa_objective, [e for e in medusa_examples if not e.held_out],
                                                     [e for e in medusa_examples if e.held_out], config, folder / "medusa",
                                                     log=lambda _: None))
     return head, heads, eagle_figures, medusa_figures
+
+
+def tiny_heads_key(model) -> str:
+    """What the heads are trained from: the tiny target's weights and the training settings."""
+    from speculators.train.loop import TrainConfig
+
+    settings = {**TRAINING, "train": asdict(TrainConfig(**TRAINING["train"]))}  # the defaults count too
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_tiny_heads(model, trained, folder: Path = TINY_HEADS) -> None:
+    head, heads, eagle_figures, medusa_figures = trained
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {**{f"eagle3.{k}": v for k, v in head.state_dict().items()},
+               **{f"medusa.{k}": v for k, v in heads.state_dict().items()}}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "heads.safetensors")
+    record = {"key": tiny_heads_key(model), "eagle3": eagle_figures, "medusa": medusa_figures}
+    (folder / "heads.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def tiny_heads(model, folder: Path):
+    """trained_tiny_heads' result: the committed heads when their key is this target's and these
+    settings', else trained here (with a warning saying how to commit them again)."""
+    import warnings
+
+    from safetensors.torch import load_file
+
+    from speculators.train.eagle3 import new_head
+    from speculators.train.medusa import new_heads
+    from tests.conftest import tiny_hf_config
+
+    record = json.loads((TINY_HEADS / "heads.json").read_text()) if (TINY_HEADS / "heads.json").exists() else {}
+    if record.get("key") != tiny_heads_key(model):
+        warnings.warn(f"{TINY_HEADS} holds no heads for this tiny target and these settings: trained them instead; "
+                      "`python -m tests.speculators.heads_fixtures` commits new ones", stacklevel=2)
+        return trained_tiny_heads(model, folder)
+    tensors = load_file(TINY_HEADS / "heads.safetensors")
+    draft, rows = torch.arange(TRAINING["draft_vocab"]), torch.zeros(TRAINING["draft_vocab"], HIDDEN)
+    head = new_head(tiny_hf_config(), draft, AUX, rows)  # the vocabulary and every weight are loaded next
+    head.load_state_dict({k.removeprefix("eagle3."): v for k, v in tensors.items() if k.startswith("eagle3.")})
+    head.share_target(model.model.embed_tokens.weight.float())
+    heads = new_heads(HIDDEN, VOCAB, TRAINING["medusa_heads"], draft, rows)
+    heads.load_state_dict({k.removeprefix("medusa."): v for k, v in tensors.items() if k.startswith("medusa.")})
+    return head.eval(), heads.eval(), record["eagle3"], record["medusa"]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from tests.conftest import tiny_pair
+
+    target = tiny_pair()[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        save_tiny_heads(target, trained_tiny_heads(target, Path(scratch)))
+    print(f"wrote {TINY_HEADS}")

@@ -20,7 +20,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.serve.app import AppArgs, SpecServer
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
-from tests.cluster.ray_fixtures import channel, free_port, serve_on_local_ray  # noqa: F401  (channel: a fixture)
+from tests.cluster.ray_fixtures import channel, ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)
 from tests.conftest import IdTokenizer
 
 pytestmark = pytest.mark.default_model  # the tiny model directory borrows the default model's tokenizer
@@ -35,22 +35,29 @@ def expected(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def ports(tiny_model_dir):
-    """(gRPC port, HTTP port) of an application serving 'tiny-pld' and 'tiny-plain'."""
-    grpc_port, http_port = free_port(), free_port()
-    with serve_on_local_ray(grpc_port, {"host": "127.0.0.1", "port": http_port}):
+def earlier_logs(shared_serve) -> dict[Path, int]:
+    """How much of each Serve log on the shared Ray earlier modules wrote: the logs checked here
+    are what was written from this module's deploy on."""
+    return {path: path.stat().st_size for path in serve_log_files()}
 
-        def cluster(method: str) -> dict:
-            return {"engine": {"model": str(tiny_model_dir), "method": method, "max_sequences": 2, "max_len": 128},
-                    "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0}
 
-        args = AppArgs.model_validate({
-            "models": [{"model_id": "tiny-pld", "cluster": cluster("pld")},
-                       {"model_id": "tiny-plain", "cluster": cluster("none")}],
-            "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64},
-        })
-        serve.run(SpecServer.options(ray_actor_options={"num_cpus": 0.1}).bind(args), name="models", route_prefix="/")
-        yield grpc_port, http_port
+@pytest.fixture(scope="module")
+def ports(shared_serve, earlier_logs, tiny_model_dir):
+    """(gRPC port, HTTP port) of an application serving 'tiny-pld' and 'tiny-plain', deployed to
+    Serve on the shared Ray."""
+
+    def cluster(method: str) -> dict:
+        return {"engine": {"model": str(tiny_model_dir), "method": method, "max_sequences": 2, "max_len": 128},
+                "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0}
+
+    args = AppArgs.model_validate({
+        "models": [{"model_id": "tiny-pld", "cluster": cluster("pld")},
+                   {"model_id": "tiny-plain", "cluster": cluster("none")}],
+        "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64},
+    })
+    serve.run(SpecServer.options(ray_actor_options={"num_cpus": 0.1}).bind(args), name="models", route_prefix="/")
+    http_port, grpc_port = shared_serve
+    return grpc_port, http_port
 
 
 def generate(channel, model: str) -> pb.GenerateResponse:
@@ -104,13 +111,21 @@ def test_app_args_name_models_one_way():
     assert [served.model_id for served in AppArgs().served()] == ["smollm2-135m"]
 
 
-def serve_logs() -> str:
-    """Everything the replicas and proxies of this Ray session have logged so far."""
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("*.log")))
+def serve_log_files() -> list[Path]:
+    return sorted((Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve").glob("*.log"))
 
 
-def test_a_refusal_is_logged_once_without_a_traceback(channel, ports):
+def serve_logs(earlier: dict[Path, int]) -> str:
+    """Everything the replicas and proxies have logged since this module deployed its app."""
+    text = ""
+    for path in serve_log_files():
+        with path.open("rb") as handle:
+            handle.seek(earlier.get(path, 0))
+            text += handle.read().decode(errors="replace")
+    return text
+
+
+def test_a_refusal_is_logged_once_without_a_traceback(channel, ports, earlier_logs):
     stub = specserve_pb2_grpc.SpecServeStub(channel)
     bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), model="tiny-pld", sampling=pb.Sampling(temperature=-1))
     for call in (stub.Generate, lambda message, timeout: list(stub.GenerateStream(message, timeout=timeout))):
@@ -122,9 +137,10 @@ def test_a_refusal_is_logged_once_without_a_traceback(channel, ports):
         client.completions.create(model="tiny-pld", prompt=PROMPT, max_tokens=4, temperature=-1)
     grpc_line, http_line = "gRPC request refused with INVALID_ARGUMENT: temperature", "refused with 400"
     deadline = time.monotonic() + 10  # replicas write their logs a little later
-    while time.monotonic() < deadline and (serve_logs().count(grpc_line) < 2 or serve_logs().count(http_line) < 1):
+    while time.monotonic() < deadline and (serve_logs(earlier_logs).count(grpc_line) < 2
+                                           or serve_logs(earlier_logs).count(http_line) < 1):
         time.sleep(0.2)
-    logs = serve_logs()
+    logs = serve_logs(earlier_logs)
     assert logs.count(grpc_line) == 2
     assert logs.count(http_line) == 1
     assert "Traceback" not in logs and "ERROR" not in logs
