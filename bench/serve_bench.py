@@ -4,8 +4,10 @@ For each level N of requests in flight, each round takes Spec-Bench questions ne
 (tasks in turn) and streams them as chat completions, greedy, N at a time: first with speculation
 as deployed, then with `"speculation": {"method": "off"}` on the same questions. Speculation goes
 first because the suffix index learns every finished output, including plain decoding's: a
-question answered before would be drafted from its own answer. The plain outputs are also the
-check that speculation changed nothing: greedy texts must be identical.
+question answered before would be drafted from its own answer. Each setting of a run sends a
+`cache_salt` of its own: a deployment without API keys is one tenant, so without it the plain run
+would be handed the speculative run's prompts by the prefix cache (and a later run this run's).
+The plain outputs are also the check that speculation changed nothing: greedy texts must be identical.
 
 Per level: output tokens/s of each setting (all tokens of the round / its wall time; the median
 over rounds, and every round), the speedup as the ratio of the two median throughputs, time to
@@ -19,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -118,7 +121,7 @@ def measure_level(args: argparse.Namespace, questions: list[dict], level: int) -
                              "questions of its own); use fewer --rounds or --concurrency levels")
         del questions[:per_round]
         for name, extra in SETTINGS.items():
-            runs[name].append(run_setting(args, chosen, extra, level))
+            runs[name].append(run_setting(args, chosen, {**extra, "cache_salt": f"{args.salt}-{name}"}, level))
             print(f"  round {round_index + 1}/{args.rounds} {name}: {runs[name][-1]['tokens_per_s']:.2f} tokens/s",
                   flush=True)
     medians = {name: statistics.median(r["tokens_per_s"] for r in results) for name, results in runs.items()}
@@ -166,6 +169,7 @@ def first_model(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or first_model(args)
+    args.salt = f"serve-bench-{uuid.uuid4().hex[:12]}"
     questions = load_questions(args.questions)[args.skip_questions:]
     levels = [int(level) for level in args.concurrency]
     run_setting(args, questions[:WARMUP_QUESTIONS], {"max_tokens": 8}, WARMUP_QUESTIONS)
@@ -180,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine(),
         "model": args.model,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                   if k not in ("func", "api_key", "command", "benchmark")},
+                   if k not in ("func", "api_key", "command", "benchmark", "salt")},
         "outputs_identical": all(v["outputs_identical"] for v in by_level.values()),
         "by_concurrency": by_level,
     }

@@ -5,7 +5,8 @@ own venv (bench/vllm_peer.py) with its defaults and tuned, plain and with its n-
 then `make serve` as a user starts it, with speculation as deployed and then off. Every server gets
 the same held-out Spec-Bench first turns, a set of its own per level (and per round), so no level
 finds another's prompts in a prefix cache or a suffix index; specserve's plain run follows its
-speculative run on the same questions (the order serve_bench.py explains). The client is the
+speculative run on the same questions (the order serve_bench.py explains), each with a `cache_salt`
+of its own (a keyless deployment is one tenant: no setting is handed another's prompts). The client is the
 served benchmark's own streaming client: chat completions, greedy, `max_tokens` new tokens.
 
 Per server and level: output tokens/s (all tokens / wall time; median over rounds, and every
@@ -19,6 +20,7 @@ import json
 import os
 import statistics
 import subprocess
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -96,9 +98,10 @@ def run_specserve(args: argparse.Namespace, plan: dict, warmup: list[dict], log_
     try:
         with vllm_peer.RunningServer(["make", "serve"], dict(os.environ), SPECSERVE_URL, log_dir / "specserve.log", cwd=REPO):
             target = client(SPECSERVE_URL, _first_model(SPECSERVE_URL), args)
+            salt = f"side-by-side-{uuid.uuid4().hex[:12]}"
             for name, extra in SPECSERVE_SETTINGS.items():
                 print(f"  {name}", flush=True)
-                results[name] = measure(target, extra, plan, warmup)
+                results[name] = measure(target, {**extra, "cache_salt": f"{salt}-{name}"}, plan, warmup)
     finally:
         subprocess.run([str(REPO / ".venv" / "bin" / "ray"), "stop"], capture_output=True, check=False)
     return results
