@@ -111,7 +111,7 @@ def latency(answers: list[Answer]) -> dict:
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
 
 
-def measure_level(args: argparse.Namespace, questions: list[dict], level: int) -> dict:
+def measure_level(args: argparse.Namespace, questions: list[dict], level: int, salt: str) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     per_round = max(REQUESTS_PER_SLOT * level, MIN_REQUESTS)
     for round_index in range(args.rounds):
@@ -121,7 +121,7 @@ def measure_level(args: argparse.Namespace, questions: list[dict], level: int) -
                              "questions of its own); use fewer --rounds or --concurrency levels")
         del questions[:per_round]
         for name, extra in SETTINGS.items():
-            runs[name].append(run_setting(args, chosen, {**extra, "cache_salt": f"{args.salt}-{name}"}, level))
+            runs[name].append(run_setting(args, chosen, {**extra, "cache_salt": f"{salt}-{name}"}, level))
             print(f"  round {round_index + 1}/{args.rounds} {name}: {runs[name][-1]['tokens_per_s']:.2f} tokens/s",
                   flush=True)
     medians = {name: statistics.median(r["tokens_per_s"] for r in results) for name, results in runs.items()}
@@ -169,7 +169,7 @@ def first_model(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     args.model = args.model or first_model(args)
-    args.salt = f"serve-bench-{uuid.uuid4().hex[:12]}"
+    salt = f"serve-bench-{uuid.uuid4().hex[:12]}"
     questions = load_questions(args.questions)[args.skip_questions:]
     levels = [int(level) for level in args.concurrency]
     run_setting(args, questions[:WARMUP_QUESTIONS], {"max_tokens": 8}, WARMUP_QUESTIONS)
@@ -177,14 +177,14 @@ def run(args: argparse.Namespace) -> int:
     by_level = {}
     for level in levels:
         print(f"{level} in flight", flush=True)
-        by_level[str(level)] = measure_level(args, questions, level)
+        by_level[str(level)] = measure_level(args, questions, level, salt)
     report = {
         "command": command_line(args, "bench", "serve"),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "model": args.model,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                   if k not in ("func", "api_key", "command", "benchmark", "salt")},
+                   if k not in ("func", "api_key", "command", "benchmark")},
         "outputs_identical": all(v["outputs_identical"] for v in by_level.values()),
         "by_concurrency": by_level,
     }
