@@ -13,9 +13,12 @@ import json, sys
 from bench.specbench import DEFAULT_QUESTIONS, load_questions
 for q in load_questions(DEFAULT_QUESTIONS)[:32]: print(json.dumps({'prompt': q['turns'][0]}))" > "$DATA"
 
+# each setting its own cache_salt: a keyless deployment is one tenant, and the plain run would be
+# handed the speculative run's prompts by the prefix cache (the levels still share each setting's)
+RUN=$(date +%s)
 for setting in deployed off; do
-  body='{"temperature":0}'
-  [ "$setting" = off ] && body='{"temperature":0,"speculation":{"method":"off"}}'
+  body="{\"temperature\":0,\"cache_salt\":\"guidellm-$RUN-$setting\"}"
+  [ "$setting" = off ] && body="{\"temperature\":0,\"cache_salt\":\"guidellm-$RUN-$setting\",\"speculation\":{\"method\":\"off\"}}"
   # extras as JSON: GuideLLM's key=value form would turn the string off into false
   nice "$GUIDELLM" run \
     --backend "{\"kind\":\"openai_http\",\"target\":\"$TARGET\",\"model\":\"smollm2-135m\",\"request_format\":\"/v1/chat/completions\",\"stream\":true,\"max_tokens\":128,\"extras\":{\"body\":$body}}" \
