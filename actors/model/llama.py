@@ -20,6 +20,7 @@ from actors.model.config import DecoderConfig
 from actors.model.fused import JointProjection, stack_in_place
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from actors.model.sharding import Communicator, ShardPlan
+from actors.model.split_attention import SplitBackend
 
 SMALL_ROWS = 4
 """Up to this many rows, a CPU product runs as `(W @ x.T).T` (see `project`)."""
@@ -329,6 +330,8 @@ def decoder_from_tensors(
                     stack_in_place(tensors, names)
     model.load_state_dict({name: tensors[name] for name in expected}, strict=False, assign=True)
     model.rotary = RotaryEmbedding(config).to(model.device)  # its buffers were created on meta
+    if isinstance(model.backend, SplitBackend):
+        model.backend.check_dtype(model.dtype)
     return model
 
 

@@ -103,6 +103,9 @@ def _flash_varlen() -> Varlen | None:
     return flash_attn_varlen_func
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 class SplitBackend:
     name = "split"
 
@@ -113,6 +116,12 @@ class SplitBackend:
     @property
     def prefix_kernel(self) -> str:
         return "torch" if self.varlen is None else "vllm_flash_attn"
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Refuse, at load, a dtype the flash kernel would refuse at the first pass."""
+        if self.varlen is not None and dtype not in FLASH_DTYPES:
+            raise ValueError(f"attention_backend 'split' runs vllm_flash_attn's kernel here, which takes float16 or "
+                             f"bfloat16, not {str(dtype).removeprefix('torch.')}: use dtype bfloat16, or attention_backend sdpa")
 
     def _layout(self, batch: PackedBatch) -> SplitLayout:
         """Every layer of a pass shares one layout; the last one built is kept for the next layer."""

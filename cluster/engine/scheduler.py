@@ -77,7 +77,8 @@ class Scheduler:
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
-        if request.request_id in self.active or any(r.request_id == request.request_id for r in self.waiting):
+        queued = (r.request_id for r in (*self.waiting, *self.preempted))
+        if request.request_id in self.active or request.request_id in queued:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.waiting.append(request)
 

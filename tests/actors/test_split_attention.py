@@ -95,3 +95,20 @@ def test_backends_are_chosen_by_name():
     assert get_backend("split").prefix_kernel in ("torch", "vllm_flash_attn")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash-attn-3")
+
+
+def test_split_with_the_flash_kernel_refuses_float32_at_load(tiny_model, monkeypatch):
+    """vllm_flash_attn takes float16 and bfloat16 only: a float32 decoder on it fails when it is
+    built, naming the fix, instead of at its first pass."""
+    from actors.model import split_attention
+    from actors.model.llama import decoder_from_tensors
+
+    monkeypatch.setattr(split_attention, "_flash_varlen", lambda: lambda *args, **kwargs: None)
+    model = tiny_model[0]
+    tensors = {name: tensor.float() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match="not float32: use dtype bfloat16, or attention_backend sdpa"):
+        decoder_from_tensors(model.config, dict(tensors), attention_backend="split")
+    bf16 = {name: tensor.bfloat16() for name, tensor in tensors.items()}
+    assert decoder_from_tensors(model.config, bf16, attention_backend="split").backend.varlen is not None
+    monkeypatch.setattr(split_attention, "_flash_varlen", lambda: None)  # no kernel: the torch path takes float32
+    assert decoder_from_tensors(model.config, dict(tensors), attention_backend="split").backend.prefix_kernel == "torch"

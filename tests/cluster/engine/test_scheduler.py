@@ -72,6 +72,16 @@ def test_a_pass_carries_a_chunk_budget_while_requests_decode_and_every_prompt_wh
     assert scheduler.plan().chunks == [("c", 8)]  # two decode: a short pass
 
 
+def test_a_set_back_request_keeps_its_id():
+    scheduler = Scheduler(SchedulerConfig(max_sequences=2, max_len=64), EngineCounters(), None, lambda state: None)
+    state = state_of(GenerationRequest("a", [1, 2, 3]))
+    scheduler.run([state])
+    state.output.append(5)
+    scheduler.preempt(state)  # set back with output: it waits in `preempted`
+    with pytest.raises(ValueError, match="already in the engine"):
+        scheduler.add(GenerationRequest("a", [1]))
+
+
 def decoding_scheduler(config: SchedulerConfig, decoding: int, cost: CostCurve | None = None) -> Scheduler:
     """A scheduler with `decoding` requests past their prefill and a 2,000-token prompt left to prefill."""
     scheduler = Scheduler(config, EngineCounters(), None, lambda state: None, cost=cost)
