@@ -25,6 +25,7 @@ from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.serve.grpc_context import GrpcContext
 from tests.cluster.serve.uvicorn_server import uvicorn_server
 from tests.conftest import tiny_pair
 
@@ -227,31 +228,13 @@ def test_http_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
     assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-class GrpcContext:
-    """What SpecServer's methods use of a grpc.aio context: the API key, and the status it sets."""
-
-    code = None
-
-    def invocation_metadata(self):
-        return [("authorization", API_KEY)]
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, details):
-        self.details = details
-
-    def set_trailing_metadata(self, metadata):
-        pass
-
-
 def test_grpc_streams_go_on_while_a_grammar_compiles(served, monkeypatch):
     """SpecServer's gRPC methods, called as Serve's gRPC proxy calls them (no Ray here)."""
     held = HeldCompile(served.service, monkeypatch)
     servable = next(cls for cls in SpecServer.func_or_class.__mro__ if "_request" in vars(cls))  # not Serve's wrapper
     server = object.__new__(servable)  # no __init__: the replica's models only
     server.models = ServedModels([served.service])
-    context = GrpcContext()
+    context = GrpcContext(API_KEY)
     plain = pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(max_new_tokens=200),
                                speculation=pb.Speculation(method="off"))
     constrained = pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(max_new_tokens=4),
@@ -304,6 +287,6 @@ def test_the_token_strings_of_logprobs_are_not_built_on_the_event_loop(served, m
         assert list(sse_lines(response))[-1] == b"[DONE]"
         connection.close()
     answer = asyncio.run(server.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.Sampling(
-        max_new_tokens=3, logprobs=2)), GrpcContext()))
+        max_new_tokens=3, logprobs=2)), GrpcContext(API_KEY)))
     assert answer.logprobs and answer.logprobs[0].token
     assert on_loop == [False]  # built once, at the service's start

@@ -26,6 +26,7 @@ from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.serve.grpc_context import GrpcContext
 from tests.cluster.serve.uvicorn_server import uvicorn_server
 from tests.conftest import tiny_pair
 
@@ -111,25 +112,6 @@ def test_a_deployment_without_keys_shares_its_prefix_cache(served):
 def test_a_bad_cache_salt_is_refused_naming_it(served, salt, message):
     status, answer = served.post(prompt("moss"), ALICE, cache_salt=salt)
     assert status == 400 and answer["error"]["param"] == "cache_salt" and message in answer["error"]["message"]
-
-
-class GrpcContext:
-    code = None
-
-    def __init__(self, key: str | None):
-        self.key = key
-
-    def invocation_metadata(self):
-        return [("authorization", self.key)] if self.key else []
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, details):
-        self.details = details
-
-    def set_trailing_metadata(self, metadata):
-        pass
 
 
 def grpc_server(service: SpecService):
