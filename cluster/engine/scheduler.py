@@ -176,15 +176,17 @@ class Scheduler:
     def chunk_budget(self) -> int:
         """Prompt tokens the next pass may carry."""
         room = max(1, self.config.max_num_batched_tokens - self.decoding)
-        chunk = self.config.prefill_chunk_tokens
-        if not self.decoding:
+        if not self.decoding:  # nobody to hold up
             return room
+        chunk = self.config.prefill_chunk_tokens
         if chunk == "auto":
-            chunk = MIN_AUTO_CHUNK
-            if self.cost is not None:
-                decoding = self.cost.seconds(max(self.decoding, self._decoded_tokens), self.decoding)
-                chunk = max(chunk, int(self.config.prefill_pass_ratio * decoding / self.cost.seconds_per_token()))
+            chunk = MIN_AUTO_CHUNK if self.cost is None else max(MIN_AUTO_CHUNK, self._auto_chunk())
         return min(chunk, room)
+
+    def _auto_chunk(self) -> int:
+        """Prompt tokens costing `prefill_pass_ratio` times the decoding of a pass like the last one."""
+        decoding = self.cost.seconds(max(self.decoding, self._decoded_tokens), self.decoding)
+        return int(self.config.prefill_pass_ratio * decoding / self.cost.seconds_per_token())
 
     def _next_chunks(self) -> list[tuple[str, int]]:
         if not self.prefilling:  # whole-prompt mode never has any
