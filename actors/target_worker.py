@@ -122,8 +122,11 @@ class TargetWorker:
             raise AdmissionRefused(f"request {seq_id!r}: a prompt of {len(prompt)} tokens does not fit in the whole KV "
                                    f"cache ({runner.pool.num_blocks} blocks of {runner.cache.block_size})")
         runner.add(seq_id, item.cache_scope)
-        cached = runner.reuse_prefix(seq_id, prompt[:-1])
-        if not self.fit.admits(runner.blocks_to_grow(seq_id, len(prompt) - 1 - cached), alone=not self._sampling):
+        alone = not self._sampling
+        # a cached prefix is copied (on a CPU) when the prompt would fit even without it
+        room = self.fit.admits(runner.cache.blocks_for(len(prompt) - 1), alone=alone)
+        cached = runner.reuse_prefix(seq_id, prompt[:-1], room_to_copy=room)
+        if not self.fit.admits(runner.blocks_to_grow(seq_id, len(prompt) - 1 - cached), alone=alone):
             runner.remove(seq_id)
             return False
         runner.reserve(seq_id, len(prompt) - 1)

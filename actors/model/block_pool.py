@@ -44,6 +44,11 @@ class BlockPool:
         """Blocks an allocation may take: free ones and cached ones nobody holds."""
         return self._num_free + len(self._unheld)
 
+    @property
+    def free(self) -> int:
+        """Blocks nobody holds and no cached prefix lives in: taking one forgets nothing."""
+        return self._num_free
+
     def allocate(self, after: int | None = None, run: int = 1) -> int:
         """A block for one holder: the one right after `after` when free, else the first of `run`
         blocks (about to be taken one after another) centred in the largest free gap, else the

@@ -95,10 +95,16 @@ class KVCache:
         for store in (self.keys, self.values):
             store.index_copy_(2, destination, store.index_select(2, source))
 
-    def copy_block(self, source: int, destination: int) -> None:
-        size = self.block_size
+    def copy_blocks(self, sources: Sequence[int], destinations: Sequence[int]) -> None:
+        """Copy each source block's K/V into its destination block, in every layer (one copy per store)."""
+        if not sources:
+            return
+        device, size = self.keys.device, self.block_size
+        offsets = torch.arange(size)
+        source = (torch.tensor(list(sources))[:, None] * size + offsets).flatten().to(device)
+        destination = (torch.tensor(list(destinations))[:, None] * size + offsets).flatten().to(device)
         for store in (self.keys, self.values):
-            store[:, :, destination * size: (destination + 1) * size] = store[:, :, source * size: (source + 1) * size]
+            store.index_copy_(2, destination, store.index_select(2, source))
 
 
 __all__ = ["KVCache", "CacheFullError", "DEFAULT_BLOCK_SIZE"]

@@ -36,9 +36,13 @@ class _SequenceBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, cache: KVCache, prefix_caching: bool = False):
+    def __init__(self, cache: KVCache, prefix_caching: bool = False, copy_hits: bool = False):
+        """`copy_hits`: keep each sequence a single run of adjacent blocks (see `reuse_prefix`), for
+        attention that reads a run as one view (a CPU's, attention.py): there a prefix held in other
+        blocks splits every later pass's attention of the sequence in two parts and a merge."""
         self.cache = cache
         self.prefix_caching = prefix_caching
+        self.copy_hits = copy_hits
         self._sequences: dict[str, _SequenceBlocks] = {}
 
     @property
@@ -90,25 +94,38 @@ class KVCacheManager:
         self.allocate(seq_id, positions)
         self._sequences[seq_id].reserved = positions
 
-    def reuse_prefix(self, seq_id: str, tokens: Sequence[int]) -> int:
+    def reuse_prefix(self, seq_id: str, tokens: Sequence[int], room_to_copy: bool = False) -> int:
         """Give the sequence the cached blocks of `tokens` past its committed length, while whole
         blocks of them are registered in its scope; returns how many tokens it gained.
 
         On an empty sequence (admission) that is the longest cached prefix. On one whose prompt is
         still being prefilled it is what other sequences have filled since: a prompt admitted beside
         another with the same prefix takes the blocks the other computed instead of computing them
-        again. Its own blocks there are reserved and not yet written, and are given back."""
+        again. Its own blocks there are reserved and not yet written.
+
+        With `copy_hits` the sequence stays one run of adjacent blocks: a cached block's K/V is copied
+        into a block of its own (one it reserved, or, when the caller's fit policy says the pool has
+        `room_to_copy` all of `tokens`, a free one next to its last: a copy never evicts a cached
+        prefix) instead of being held. Otherwise
+        the cached block is held, and a reserved block it replaces is given back."""
         state = self._sequences[seq_id]
         size = self.cache.block_size
         if state.length != len(state.keys) * size:
             return 0
-        before = state.length
+        before, sources, destinations = state.length, [], []
         for key in self._keys_past(state, tokens, len(tokens)):
-            block = self.pool.lookup(key)
+            block = self.pool.lookup(key)  # held, so that no allocation below evicts it before it is copied
             if block is None:
                 break
             index, start = len(state.keys), state.length
-            if index < len(state.blocks):
+            owned = index < len(state.blocks)
+            if self.copy_hits and (owned or (room_to_copy and self.pool.free)):
+                if not owned:
+                    left = self.cache.blocks_for(len(tokens)) - len(state.blocks)
+                    state.blocks.append(self.pool.allocate(state.blocks[-1] if state.blocks else None, left))
+                sources.append(block)
+                destinations.append(state.blocks[index])
+            elif owned:
                 self.pool.release(state.blocks[index])
                 state.blocks[index] = block
             else:
@@ -116,6 +133,9 @@ class KVCacheManager:
             state.keys.append(key)
             state.tokens.extend(tokens[start: start + size])
             state.length += size
+        self.cache.copy_blocks(sources, destinations)
+        for block in sources:
+            self.pool.release(block)
         return state.length - before
 
     def block_keys(self, seq_id: str, tokens: Sequence[int], end: int) -> list[bytes]:
@@ -168,7 +188,7 @@ class KVCacheManager:
         """Replace a shared or registered block the sequence is about to write with its own copy."""
         old = state.blocks[index]
         state.blocks[index] = self.pool.allocate(state.blocks[index - 1] if index else None)
-        self.cache.copy_block(old, state.blocks[index])
+        self.cache.copy_blocks([old], [state.blocks[index]])
         self.pool.release(old)
 
     def _register_full_blocks(self, state: _SequenceBlocks) -> None:

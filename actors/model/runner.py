@@ -43,7 +43,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         blocks = kv_blocks if kv_blocks is not None else -(-max_sequences * max_len // block_size)
         self.cache: KVCache = model.new_cache(blocks, max_len, block_size)
-        self.kv_manager = KVCacheManager(self.cache, prefix_caching)
+        self.kv_manager = KVCacheManager(self.cache, prefix_caching, copy_hits=model.device.type == "cpu")
         self._scratch: dict[str, _Scratch] = {}
         self._pass = GraphedForward(model, self.cache) if cuda_graphs and model.device.type == "cuda" else model
 
@@ -74,12 +74,13 @@ class ModelRunner:
         self._scratch.pop(seq_id, None)
         self.kv_manager.remove(seq_id)
 
-    def reuse_prefix(self, seq_id: str, tokens: Sequence[int]) -> int:
+    def reuse_prefix(self, seq_id: str, tokens: Sequence[int], room_to_copy: bool = False) -> int:
         """Give the sequence the cached blocks of the longest registered prefix of `tokens` past its
-        committed length (KVCacheManager.reuse_prefix); returns how many tokens it gained."""
+        committed length (KVCacheManager.reuse_prefix: on a CPU copied into its own blocks, where
+        `room_to_copy` allows); returns how many tokens it gained."""
         if self._scratch[seq_id].parents:
             raise ValueError(f"sequence {seq_id!r} has uncommitted tokens")
-        return self.kv_manager.reuse_prefix(seq_id, tokens)
+        return self.kv_manager.reuse_prefix(seq_id, tokens, room_to_copy)
 
     def block_keys(self, seq_id: str, tokens: Sequence[int], end: int) -> list[bytes]:
         """The keys its next blocks will be registered under once `tokens` are committed up to `end`."""

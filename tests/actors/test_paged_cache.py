@@ -101,6 +101,31 @@ def test_a_cached_prefix_is_reused_in_its_scope_only_and_copied_before_a_rewrite
         torch.testing.assert_close(logits, logits_alone(model, tokens + tree.token_ids)[len(tokens):], rtol=1e-9, atol=1e-9)
 
 
+def test_a_prefix_hit_is_copied_on_a_cpu_while_free_blocks_allow_and_held_otherwise(tiny_model):
+    model, _ = tiny_model
+    runner = ModelRunner(model, 1, 128, kv_blocks=16, block_size=4, prefix_caching=True)
+    prompt = list(range(1, 14))
+    runner.add("a", "t")
+    prefill(runner, "a", prompt)
+    runner.add("b", "t")
+    runner.add("x")
+    prefill(runner, "x", [7] * 20)  # 5 blocks after a's 4: b's copies must sit apart from a's
+    free = runner.pool.free
+    assert runner.reuse_prefix("b", prompt, room_to_copy=True) == 12
+    table_a, table_b = runner.kv_manager.block_table("a"), runner.kv_manager.block_table("b")
+    assert not set(table_a) & set(table_b) and len(runner.cache.runs(table_b, 12)) == 1
+    assert runner.pool.free == free - 3 and all(runner.pool.holders(block) == 1 for block in table_a)
+    prefill(runner, "b", prompt[12:])
+    got = runner.forward([TreeInput("b", [5, 6], [-1, 0])])[0]
+    torch.testing.assert_close(got, logits_alone(model, prompt + [5, 6])[-2:], rtol=1e-9, atol=1e-9)
+    runner.add("c", "t")  # without room (the caller's fit policy) the hit is held, not copied
+    assert runner.reuse_prefix("c", prompt) == 12 and runner.kv_manager.block_table("c") == table_a[:3]
+    runner.add("d", "t")
+    prefill(runner, "x", [7] * (runner.pool.free * 4))  # no free block left: held, though room is claimed
+    assert runner.pool.free == 0
+    assert runner.reuse_prefix("d", prompt, room_to_copy=True) == 12 and runner.kv_manager.block_table("d") == table_a[:3]
+
+
 def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
     model, _ = tiny_model
     worker = TargetWorker(model, 8, 64, cache=CacheOptions(blocks=8, block_size=4, prefix_caching=True))
@@ -150,7 +175,9 @@ def test_a_prompt_admitted_beside_one_with_its_prefix_takes_the_blocks_the_other
     assert (first.start, first.tokens, first.cached) == (0, 34, 0)
     [second] = worker.verify([], [("b", 20)]).prefill  # a filled 4 whole blocks of the shared prefix meanwhile
     assert (second.start, second.tokens, second.cached) == (32, 2, 32)
-    assert worker.runner.kv_manager.block_table("b")[:4] == worker.runner.kv_manager.block_table("a")[:4]
+    table_a, table_b = (worker.runner.kv_manager.block_table(s) for s in "ab")
+    assert not set(table_a) & set(table_b)  # on a CPU a's K/V is copied into b's reserved blocks:
+    assert len(worker.runner.cache.runs(table_b, 34)) == 1  # b stays one run, attended as one view
     assert worker.runner.committed_length("b") == 34 and "b" not in worker._prompts
     tree = DraftTree([51, 3, 4], [-1, 0, 1])
     got = worker.runner.forward([TreeInput("b", tree.token_ids, tree.parents)])[0]
