@@ -4,6 +4,10 @@ The engine-side fit policy, in one place (the target owns the KV blocks and deci
 them, actors/block_fit.py; this side only offers, sets back and resumes):
 - At most `max_sequences` requests run. Requests set back with output resume before any waiting
   request, oldest first; waiting requests start in arrival order.
+- Whole-prompt mode (`prefill_chunk_tokens: null`): an offer's prompts are prefilled in one pass,
+  so an offer holds at most `max_num_batched_tokens` of them (every token to prefill counted, the
+  target may find some cached); the rest wait for the next pass, in order. A prompt longer than the
+  cap is offered alone (this mode never splits a prompt; chunked prefill bounds such passes).
 - Once the target refuses an admission for want of KV blocks, nothing more is offered until blocks
   are freed (a request ends or is preempted).
 - A request refused or preempted goes back to the queues with its tokens so far: to `preempted`
@@ -123,15 +127,30 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------
 
     def offer(self) -> tuple[list[ActiveRequest], list[GenerationRequest]]:
-        """The requests to offer the target now, taken off the queues: set-back ones, then waiting ones."""
+        """The requests to offer the target now, taken off the queues in order: set-back ones, then
+        waiting ones, while `_joins` lets one more in."""
         if self._room_after_refusal:
             return [], []
-        resumed, admitted = [], []
-        while self.preempted and len(self.active) + len(resumed) < self.config.max_sequences:
-            resumed.append(self.preempted.popleft())
-        while self.waiting and len(self.active) + len(resumed) + len(admitted) < self.config.max_sequences:
-            admitted.append(self.waiting.popleft())
+        resumed, admitted, tokens = [], [], 0
+        while self.preempted or self.waiting:
+            set_back = bool(self.preempted)
+            prefill = len(self.preempted[0].tokens if set_back else self.waiting[0].prompt_ids) - 1
+            if not self._joins(len(resumed) + len(admitted), tokens + prefill):
+                break
+            tokens += prefill
+            if set_back:
+                resumed.append(self.preempted.popleft())
+            else:
+                admitted.append(self.waiting.popleft())
         return resumed, admitted
+
+    def _joins(self, offered: int, tokens: int) -> bool:
+        """Whether one more request may join an offer of `offered`: a slot is free and, in whole-prompt
+        mode (where the offer is one prefill pass), the pass's `tokens` with it stay within
+        `max_num_batched_tokens`, unless it would be the only one."""
+        if len(self.active) + offered >= self.config.max_sequences:
+            return False
+        return self.chunked or not offered or tokens <= self.config.max_num_batched_tokens
 
     def run(self, states: list[ActiveRequest]) -> None:
         """Offered requests run, each in the smaller micro-batch, until the target's answer says otherwise."""
