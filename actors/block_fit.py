@@ -4,8 +4,10 @@ The worker owns the blocks, so it decides (the engine only offers and resumes, c
 - A prompt larger than the whole cache is never admitted.
 - A request is admitted while its blocks leave a watermark of 1% of the blocks (plus one) free, room
   for the running requests' trees to grow; a request that would run alone always is.
-- When a verify call's trees do not fit, the newest requests (in admission order, running or still
-  prefilling) are preempted until the others' trees fit; the oldest is always kept, so one progresses.
+- When a verify call's trees do not fit, the newest requests (in admission order: running or still
+  prefilling, in the call or not, so with pipelining the other micro-batch's too) are preempted
+  until the call's remaining trees fit; the oldest is always kept, so one progresses (a call whose
+  items are all newer than it may then verify none of them: its pass still prefills).
 Every rank of a tensor-parallel group gets the same calls in the same order and so decides the same.
 """
 from __future__ import annotations

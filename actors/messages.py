@@ -77,9 +77,8 @@ class PrefillChunk:
 
 @dataclass
 class Preempted:
-    """In place of a VerifyResult, or among a verify call's prefill replies for a request still
-    being prefilled: the KV cache had no room. Its blocks are freed; the engine resumes it later
-    from its tokens so far (mostly found in the prefix cache)."""
+    """In place of a VerifyResult: the KV cache had no room for the request's tree. Its blocks are
+    freed; the engine resumes it later from its tokens so far (mostly found in the prefix cache)."""
 
     seq_id: str
 
@@ -94,9 +93,11 @@ class RequestFailed:
 
 @dataclass
 class VerifyReply:
-    """What `verify` gives back: one result per VerifyItem, in item order, and what became of the
-    prompts being prefilled (a PrefillChunk per chunk run, a Preempted per prompt that gave its
-    blocks up)."""
+    """What `verify` gives back: one result per VerifyItem, in item order, a PrefillChunk per prompt
+    chunk run, and the requests outside the call that gave their blocks up so its trees fit."""
 
     results: list[VerifyResult | RequestFailed | Preempted]
-    prefill: list[PrefillChunk | Preempted] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    """Ids preempted that were not items of the call (prompts still being prefilled, requests of the
+    other micro-batch), newest first: freed like a Preempted result; the engine sets them back too."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from actors.draft_worker import DraftWorker
-from actors.messages import Admission, AdmitItem, PrefillChunk, VerifyItem, VerifyReply
+from actors.messages import Admission, AdmitItem, VerifyItem, VerifyReply
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_config, load_model, resolve_model
@@ -154,7 +154,7 @@ class ColocatedDrafter:
                 self.pending.add(item.request_id, root, result.hidden)
                 result.hidden = None
         for chunk in reply.prefill:
-            if isinstance(chunk, PrefillChunk) and chunk.hidden is not None:
+            if chunk.hidden is not None:
                 self.pending.add(chunk.seq_id, chunk.start, chunk.hidden)
                 chunk.hidden = None
 

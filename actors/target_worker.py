@@ -7,7 +7,8 @@ the small VerifyResults leave the worker. On Ray it runs inside a TargetShard (t
 
 The worker owns the KV blocks, so it decides what fits (its policy: block_fit.py): `start` admits
 requests in order while their prompts fit (a prompt prefix cached under the request's scope costs
-no blocks and no compute), and `verify` preempts the newest requests when the trees do not fit.
+no blocks and no compute), and `verify` preempts the newest requests it holds, in the call or not
+(the other micro-batch's, prompts still prefilling), when the trees do not fit.
 What the calls take and give back is typed in messages.py.
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ class TargetWorker:
         self.runner = ModelRunner(model, max_sequences, max_len, cuda_graphs, kv_blocks=cache.blocks,
                                   block_size=cache.block_size, prefix_caching=cache.prefix_caching and not hidden_layers)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
+        """Every admitted request's sampling, in admission order (the order preemption reads)."""
         self._prompts: dict[str, list[int]] = {}
         """Prompts admitted without their prefill (chunked prefill), until their last chunk is in."""
         self.hidden_layers, self.hidden_dtype = tuple(hidden_layers), hidden_dtype
@@ -139,7 +141,8 @@ class TargetWorker:
     def verify(self, batch: Sequence[VerifyItem], prefill: Sequence[tuple[str, int]] = ()) -> VerifyReply:
         """Verify each item's tree (with its Shaping: penalties, grammar mask and logprobs for this
         pass), and run `prefill`'s (request id, tokens) chunks of prompts admitted without prefill in
-        the same pass. Requests the trees leave no room for are preempted (BlockFit)."""
+        the same pass. Requests the trees leave no room for are preempted (BlockFit), whether items
+        of the call or not: calls run one at a time, so no other request is in a pass now."""
         preempted = self._make_room(batch)
         items = [item for item in batch if item.request_id not in preempted]
         inputs = [TreeInput(seq_id=item.request_id, token_ids=item.tree.token_ids, parents=item.tree.parents,
@@ -163,7 +166,7 @@ class TargetWorker:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
         decided, in_batch = iter(results), {item.request_id for item in batch}
         return VerifyReply([Preempted(item.request_id) if item.request_id in preempted else next(decided) for item in batch],
-                           done + [Preempted(seq_id) for seq_id in preempted if seq_id not in in_batch])
+                           done, [seq_id for seq_id in preempted if seq_id not in in_batch])
 
     def _chunk(self, seq_id: str, count: int, filling: set[bytes]) -> tuple[TreeInput, int]:
         """The next `count` tokens of a prompt still to prefill (at most what is left), after those
@@ -198,11 +201,11 @@ class TargetWorker:
         return done
 
     def _make_room(self, items: Sequence[VerifyItem]) -> list[str]:
-        """The requests of the call and the prompts still being prefilled that BlockFit preempts
-        (their blocks freed) so the other trees fit, newest first."""
+        """The requests BlockFit preempts (their blocks freed) so the call's trees fit, newest first:
+        any request admitted, in admission order, since the blocks the trees lack may be held by
+        requests outside the call (with pipelining, the other micro-batch's)."""
         needed = {item.request_id: self.runner.blocks_to_grow(item.request_id, item.tree.size) for item in items}
-        order = {seq_id: index for index, seq_id in enumerate(self._sampling)}
-        return self.fit.make_room(needed, sorted({*needed, *self._prompts}, key=order.__getitem__), self.finish)
+        return self.fit.make_room(needed, list(self._sampling), self.finish)
 
     def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:
         """A plain greedy request needs only the target's choice at each node; a sampled one, or one

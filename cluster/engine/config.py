@@ -54,13 +54,15 @@ class SchedulerConfig(BaseModel):
         "cost `prefill_pass_ratio` times the pass's decoding by the target's measured cost curve (at least "
         f"{MIN_AUTO_CHUNK}; {MIN_AUTO_CHUNK} where the engine has no curve), so prompts are prefilled as fast as "
         "the load they arrive with while running streams' gaps stay bounded; null: a whole prompt in the pass that "
-        "admits it")
+        "admits it (as many prompts a pass as max_num_batched_tokens holds)")
     prefill_pass_ratio: float = Field(
         2.0, gt=0, description="with prefill_chunk_tokens \"auto\": a pass carrying prompt tokens costs at most "
         "(1 + this) times its decoding alone, which gives prompts this share of the target while they wait")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="most prompt tokens plus decoding requests in one chunked pass, also when nothing "
-        "decodes (every waiting prompt then shares it), so no burst of long prompts makes one pass of unbounded size")
+        2048, ge=1, description="most prompt tokens plus decoding requests in one pass, so no burst of long prompts "
+        "makes one pass of unbounded size: chunked, also when nothing decodes (every waiting prompt then shares it); "
+        "with prefill_chunk_tokens null, the prompts admitted together (the rest wait for the next pass), save a "
+        "prompt longer than this, which is prefilled alone")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV cache blocks of a prompt prefix computed before in the same cache scope "
         "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa), which need every "

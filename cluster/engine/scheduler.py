@@ -4,10 +4,15 @@ The engine-side fit policy, in one place (the target owns the KV blocks and deci
 them, actors/block_fit.py; this side only offers, sets back and resumes):
 - At most `max_sequences` requests run. Requests set back with output resume before any waiting
   request, oldest first; waiting requests start in arrival order.
+- Whole-prompt mode (`prefill_chunk_tokens: null`): an offer's prompts are prefilled in one pass,
+  so an offer holds at most `max_num_batched_tokens` of them (every token to prefill counted, the
+  target may find some cached); the rest wait for the next pass, in order. A prompt longer than the
+  cap is offered alone (this mode never splits a prompt; chunked prefill bounds such passes).
 - Once the target refuses an admission for want of KV blocks, nothing more is offered until blocks
   are freed (a request ends or is preempted).
 - A request refused or preempted goes back to the queues with its tokens so far: to `preempted`
-  once it has output, else to the front of `waiting`.
+  once it has output, else to the front of `waiting`. The target may preempt any running request,
+  with pipelining one of the micro-batch not being verified too (it answers which in `VerifyReply`).
 - Chunked prefill (`prefill_chunk_tokens`): while any request decodes, a pass carries at most that
   many prompt tokens, in admission order; "auto" sizes the chunk by the cost curve to cost
   `prefill_pass_ratio` times the pass's decoding, so prefill keeps that share of the target at any
@@ -20,10 +25,10 @@ them, actors/block_fit.py; this side only offers, sets back and resumes):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from actors.messages import Admission, Preempted, PrefillChunk
+from actors.messages import Admission, PrefillChunk
 from cluster.engine.config import MIN_AUTO_CHUNK, SchedulerConfig
 from cluster.engine.cost import CostCurve
 from cluster.engine.request import GenerationRequest
@@ -122,15 +127,30 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------
 
     def offer(self) -> tuple[list[ActiveRequest], list[GenerationRequest]]:
-        """The requests to offer the target now, taken off the queues: set-back ones, then waiting ones."""
+        """The requests to offer the target now, taken off the queues in order: set-back ones, then
+        waiting ones, while `_joins` lets one more in."""
         if self._room_after_refusal:
             return [], []
-        resumed, admitted = [], []
-        while self.preempted and len(self.active) + len(resumed) < self.config.max_sequences:
-            resumed.append(self.preempted.popleft())
-        while self.waiting and len(self.active) + len(resumed) + len(admitted) < self.config.max_sequences:
-            admitted.append(self.waiting.popleft())
+        resumed, admitted, tokens = [], [], 0
+        while self.preempted or self.waiting:
+            set_back = bool(self.preempted)
+            prefill = len(self.preempted[0].tokens if set_back else self.waiting[0].prompt_ids) - 1
+            if not self._joins(len(resumed) + len(admitted), tokens + prefill):
+                break
+            tokens += prefill
+            if set_back:
+                resumed.append(self.preempted.popleft())
+            else:
+                admitted.append(self.waiting.popleft())
         return resumed, admitted
+
+    def _joins(self, offered: int, tokens: int) -> bool:
+        """Whether one more request may join an offer of `offered`: a slot is free and, in whole-prompt
+        mode (where the offer is one prefill pass), the pass's `tokens` with it stay within
+        `max_num_batched_tokens`, unless it would be the only one."""
+        if len(self.active) + offered >= self.config.max_sequences:
+            return False
+        return self.chunked or not offered or tokens <= self.config.max_num_batched_tokens
 
     def run(self, states: list[ActiveRequest]) -> None:
         """Offered requests run, each in the smaller micro-batch, until the target's answer says otherwise."""
@@ -203,23 +223,25 @@ class Scheduler:
                 break
         return chunks
 
-    def prefilled(self, replies: list[PrefillChunk | Preempted], decoded_tokens: int | None = None) -> None:
+    def prefilled(self, chunks: list[PrefillChunk], preempted: Sequence[str] = (),
+                  decoded_tokens: int | None = None) -> None:
         """Chunks run (the rest of their prompts counted down, by what the prefix cache gave them
-        too) and prompts the target preempted; prompts with nothing left start decoding. The pass
-        also verified `decoded_tokens` for decoding requests (the next auto chunk weighs them)."""
+        too), and the requests outside the pass's items the target `preempted` (prompts, the other
+        micro-batch's); prompts with nothing left start decoding. The pass also verified
+        `decoded_tokens` for decoding requests (the next auto chunk weighs them)."""
         if decoded_tokens is not None:
             self._decoded_tokens = decoded_tokens
-        for reply in replies:
-            state = self.active.get(reply.seq_id)
+        for request_id in preempted:
+            if request_id in self.active:
+                self.preempt(self.active[request_id])
+        for chunk in chunks:
+            state = self.active.get(chunk.seq_id)
             if state is None:
                 continue
-            if isinstance(reply, Preempted):
-                self.preempt(state)
-                continue
-            state.prefill_left -= reply.cached + reply.tokens
-            self.counters.cached_prompt_tokens += reply.cached
+            state.prefill_left -= chunk.cached + chunk.tokens
+            self.counters.cached_prompt_tokens += chunk.cached
             if not state.output:
-                state.stats.cached_prompt_tokens += reply.cached
+                state.stats.cached_prompt_tokens += chunk.cached
         for request_id in [r for r in self.prefilling if self.active[r].prefill_left <= 0]:
             self.prefilling.pop(request_id)
 

@@ -32,7 +32,6 @@ from actors.messages import (
     AdmissionRefused,
     AdmitItem,
     Preempted,
-    PrefillChunk,
     RequestFailed,
     VerifyItem,
     VerifyReply,
@@ -321,9 +320,9 @@ class SpecEngine:
         self.counters.steps += 1
         self.counters.verify_seconds += seconds
         for chunk in reply.prefill:  # a head drafts from the prompt's hidden states
-            if isinstance(chunk, PrefillChunk) and chunk.hidden is not None and chunk.seq_id in self.active:
+            if chunk.hidden is not None and chunk.seq_id in self.active:
                 self._hidden.add(chunk.seq_id, chunk.start, chunk.hidden)
-        self.scheduler.prefilled(reply.prefill, decoded_tokens=sum(tree.size for tree in trees))
+        self.scheduler.prefilled(reply.prefill, reply.preempted, decoded_tokens=sum(tree.size for tree in trees))
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
         return [event for event in events if event is not None]

@@ -146,6 +146,19 @@ def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
     assert resumed.cached_tokens == {"b": 12}  # its own blocks are still cached
 
 
+def test_a_pass_preempts_a_request_outside_the_call_that_holds_the_blocks(tiny_model):
+    """Pipelined, the other micro-batch's requests hold blocks a call's trees need: the newest request
+    is preempted though it is no item of the call, and named in the reply's `preempted`."""
+    model, _ = tiny_model
+    worker = TargetWorker(model, 8, 64, cache=CacheOptions(blocks=8, block_size=4))
+    worker.start([AdmitItem(request_id="a", tokens=list(range(1, 14)), sampling=GREEDY),
+                  AdmitItem(request_id="b", tokens=list(range(21, 34)), sampling=GREEDY)])
+    assert worker.runner.pool.available == 2  # 3 blocks each
+    reply = worker.verify([VerifyItem("a", DraftTree([13] + [5] * 8, chain_parents(9)))])  # 3 more blocks
+    assert reply.preempted == ["b"] and not worker.runner.has("b")
+    assert len(reply.results[0].new_tokens) >= 1 and worker.runner.committed_length("a") > 12
+
+
 def test_chunked_prefill_computes_what_one_pass_does(tiny_model):
     model, _ = tiny_model
     prompt = list(range(1, 40))

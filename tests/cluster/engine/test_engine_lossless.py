@@ -58,9 +58,13 @@ def plain_outputs(tiny_model):
     ]
 
 
-def test_plain_decoding_equals_transformers_generate(tiny_model, plain_outputs):
+PIPELINE = pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+
+
+@PIPELINE
+def test_plain_decoding_equals_transformers_generate(tiny_model, plain_outputs, pipeline):
     model, _ = tiny_model
-    outputs = run_engine(model, None, PROMPTS)
+    outputs = run_engine(model, None, PROMPTS, pipeline=pipeline)
     assert [o.token_ids for o in outputs] == plain_outputs
     assert all(o.mean_accepted_tokens == 1.0 for o in outputs)
 
@@ -77,10 +81,11 @@ LOOKAHEADS = [
                          list(itertools.product(["pld", "pld-tree", "suffix", "draft", "draft-tree"], LOOKAHEADS)),
                          ids=lambda v: v if isinstance(v, str)
                          else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
-def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, lookahead):
+@PIPELINE
+def test_greedy_speculation_is_token_identical(tiny_model, plain_outputs, kind, lookahead, pipeline):
     """Every proposer, policy, chain and tree shape, on a batch of prompts of mixed lengths."""
     model, _ = tiny_model
-    outputs = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead)
+    outputs = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead, pipeline=pipeline)
     assert [o.token_ids for o in outputs] == plain_outputs
     assert sum(o.stats.accepted for o in outputs) > 0  # speculation actually happened
 
@@ -90,12 +95,13 @@ STEEP = CostCurve([CostPoint(t, 1, 1.0 + 0.08 * t) for t in (1, 2, 4, 8, 16, 32,
 
 
 @pytest.mark.parametrize("kind", ["pld", "pld-tree", "suffix", "draft", "draft-tree"])
-def test_planned_drafts_keep_greedy_output_identical(tiny_model, plain_outputs, kind):
+@PIPELINE
+def test_planned_drafts_keep_greedy_output_identical(tiny_model, plain_outputs, kind, pipeline):
     """The planner cuts trees to what pays (the engine's default): output unchanged, fewer tokens verified."""
     model, _ = tiny_model
-    planned = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None, cost=STEEP)
+    planned = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None, cost=STEEP, pipeline=pipeline)
     assert [o.token_ids for o in planned] == plain_outputs
-    chosen = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None)
+    chosen = run_engine(model, make_proposer(kind, model, 4), PROMPTS, lookahead=None, pipeline=pipeline)
     assert sum(o.stats.drafted for o in planned) < sum(o.stats.drafted for o in chosen)
 
 
@@ -112,7 +118,7 @@ def test_a_requests_own_lookahead_caps_the_planner_and_never_bypasses_it(tiny_mo
     assert all(len(o.stats.drafted_per_position) <= 4 for o in planned + unplanned)
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+@PIPELINE
 def test_requests_joining_mid_flight_and_a_tight_budget(tiny_model, plain_outputs, pipeline):
     """Two cache slots for four requests (continuous batching) and at most 2 drafted nodes a tree."""
     model, _ = tiny_model
@@ -129,11 +135,13 @@ SHARED = list(range(10, 40))
 @pytest.mark.parametrize("kind", ["suffix", "draft-tree"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
-def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, chunk):
+@PIPELINE
+def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, chunk, pipeline):
     """A KV cache of 24 blocks of 4 for requests of up to 62 positions each: requests share cached
     prompt blocks, wait for blocks, and are preempted and resumed mid-output (mostly from their own
     cached blocks). Every output is what the request gets alone in a roomy cache with whole
-    prefills: greedy, and seeded sampling (keyed noise) alike."""
+    prefills: greedy, and seeded sampling (keyed noise) alike; pipelined, a pass preempts requests
+    of the other micro-batch too."""
     model, _ = tiny_model
     prompts = [SHARED + [1, 2], SHARED + [5], SHARED[:20] + [9, 9, 9], [7, 8, 9], SHARED + [1, 2, 3]]
     sampling = SamplingParams(temperature=1.0, seed=7) if sampled else SamplingParams()
@@ -142,11 +150,27 @@ def test_prefix_hits_and_preemption_keep_the_output(tiny_model, kind, sampled, c
     alone = [run_engine(model, make_proposer(kind, model, 1), [p], sampling=sampling, slots=1,
                         cache={"prefill_chunk_tokens": None})[0] for p in prompts]
     outputs = run_engine(model, make_proposer(kind, model, 8), prompts, sampling=sampling, slots=8, cache=tight,
-                         cache_scope="tenant")
+                         pipeline=pipeline, cache_scope="tenant")
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
     assert sum(o.stats.preemptions for o in outputs) > 0
     assert sum(o.stats.cached_prompt_tokens for o in outputs) >= 28
     assert sum(o.stats.accepted for o in outputs) > 0
+
+
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
+def test_pipelined_requests_outgrowing_the_kv_cache_are_preempted_not_failed(tiny_model, plain_outputs, chunk):
+    """Pipelined, in a KV cache of 16 blocks of 4 (64 positions) for four requests that grow to 149:
+    a pass whose trees the cache has no room for preempts whichever running request is newest, of
+    either micro-batch, so no request fails, the target is never taken for dead, and every output
+    is plain decoding's."""
+    model, _ = tiny_model
+    config = SchedulerConfig(max_sequences=4, max_len=64, kv_cache_bytes=16 * 4 * model.kv_bytes_per_position(),
+                             block_size=4, prefill_chunk_tokens=chunk, pipeline=True)
+    engine = local_engine(model, IdTokenizer(), make_proposer("draft-tree", model, 4), config)
+    outputs = engine.generate([GenerationRequest(f"r{i}", p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in outputs] == plain_outputs
+    assert {o.finish_reason for o in outputs} == {"length"}
+    assert engine.counters.target_failures == 0 and engine.counters.preemptions > 0
 
 
 def test_requests_arriving_together_compute_their_common_prefix_once(tiny_model):

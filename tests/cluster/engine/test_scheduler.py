@@ -1,5 +1,6 @@
-"""The engine's Scheduler on its own (queues, offers, chunk budgets, set-backs), and the start contract:
-only AdmissionRefused is a refusal; any other error of `start` is a target fault."""
+"""The engine's Scheduler on its own (queues, offers, chunk budgets, set-backs), the token cap of an
+engine's passes, and the start contract: only AdmissionRefused is a refusal; any other error of
+`start` is a target fault."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,12 +10,14 @@ import pytest
 from actors.messages import Admission, AdmissionRefused, AdmitItem, PrefillChunk
 from actors.target_worker import CacheOptions, TargetWorker
 from actors.worker import LocalWorker
+from cluster.engine.build import local_engine
 from cluster.engine.config import MIN_AUTO_CHUNK, SchedulerConfig
 from cluster.engine.cost import CostCurve, CostPoint
 from cluster.engine.request import GenerationRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_engine import TARGET_FAILED, SpecEngine
 from cluster.engine.stats import EngineCounters, RequestStats
+from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
 from tests.conftest import IdTokenizer
 
@@ -119,6 +122,64 @@ def test_no_pass_carries_more_than_max_num_batched_tokens():
     idle.run(prompts)
     idle.admitted(Admission({"a": 0, "b": 0}, []))
     assert idle.plan().chunks == [("a", 199), ("b", 101)]  # nobody decodes: the prompts share the cap
+
+
+def test_a_whole_prompt_offer_holds_at_most_max_num_batched_tokens():
+    """Whole-prompt mode prefills an offer in one pass: prompts join it in order while their tokens
+    to prefill fit the cap, a longer one goes alone, and a set-back request is never overtaken."""
+    config = SchedulerConfig(max_sequences=8, max_len=256, max_num_batched_tokens=100, prefill_chunk_tokens=None)
+    scheduler = Scheduler(config, EngineCounters(), None, lambda state: None)
+    for name, length in (("a", 41), ("b", 60), ("c", 150), ("d", 10), ("e", 90)):
+        scheduler.add(GenerationRequest(name, list(range(1, length + 1))))
+    offers = []
+    for _ in range(3):
+        resumed, admitted = scheduler.offer()
+        offers.append([r.request_id for r in resumed + admitted])
+        scheduler.run([state_of(r) for r in admitted])
+    assert offers == [["a", "b"], ["c"], ["d", "e"]]  # 40 + 59 tokens; 149 alone; 9 + 89
+    setback = scheduler.active["c"]
+    setback.output.append(7)
+    scheduler.add(GenerationRequest("f", [1, 2]))
+    scheduler.preempt(setback)
+    assert scheduler.offer() == ([setback], [])  # 150 tokens to prefill: f waits behind it
+    chunked = Scheduler(SchedulerConfig(max_sequences=8, max_len=256, max_num_batched_tokens=100), EngineCounters(),
+                        None, lambda state: None)
+    for name in "abc":
+        chunked.add(GenerationRequest(name, list(range(1, 150))))
+    assert len(chunked.offer()[1]) == 3  # chunked: admission prefills nothing, the chunks keep to the cap
+
+
+def record_passes(worker: TargetWorker) -> list[list[int]]:
+    """Every forward pass of the worker, as it runs: the tokens of each prompt (chunk) it prefills,
+    and a 1 for each request it decodes (whatever its tree)."""
+    passes, forward = [], worker.runner.forward_capturing
+
+    def recorded(inputs, *args):
+        passes.append([len(i.token_ids) if i.logits == "none" else 1 for i in inputs])
+        return forward(inputs, *args)
+
+    worker.runner.forward_capturing = recorded
+    return passes
+
+
+@pytest.mark.parametrize("chunk", [None, 16, "auto"], ids=["whole-prompt", "chunked", "auto-chunk"])
+def test_a_burst_of_long_prompts_never_makes_a_pass_past_max_num_batched_tokens(tiny_model, chunk):
+    """Twelve prompts of 40-62 tokens and one of 90 arrive at once at an engine whose passes may hold
+    64 prompt tokens and decoding requests: no pass holds more, save the one prefilling the 90-token
+    prompt alone in whole-prompt mode (which never splits a prompt); chunked, it is cut at the cap.
+    Every output is what the request gets alone."""
+    model, _ = tiny_model
+    prompts = [[(7 * i + j) % 60 + 1 for j in range(40 + 2 * i)] for i in range(12)] + [[(5 * j) % 61 + 1 for j in range(90)]]
+    config = SchedulerConfig(max_sequences=16, max_len=128, max_num_batched_tokens=64, prefill_chunk_tokens=chunk,
+                             kv_cache_bytes=16 * 128 * model.kv_bytes_per_position())
+    engine = local_engine(model, IdTokenizer(), SuffixProposer(), config)
+    passes = record_passes(engine.target.target)
+    outputs = engine.generate([GenerationRequest(f"r{i}", p, max_new_tokens=16) for i, p in enumerate(prompts)])
+    alone = [local_engine(model, IdTokenizer(), None, SchedulerConfig(max_len=128, prefill_chunk_tokens=None))
+             .generate([GenerationRequest("alone", p, max_new_tokens=16)])[0] for p in prompts]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
+    assert [p for p in passes if sum(p) > 64] == ([[89]] if chunk is None else [])
+    assert max(len(p) for p in passes) > 1  # passes did batch several requests
 
 
 def test_the_worker_refuses_a_batch_it_can_never_serve(tiny_model):
