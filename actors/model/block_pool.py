@@ -2,9 +2,10 @@
 
 Pure bookkeeping, no tensors: `KVCache` stores the blocks, `KVCacheManager` keeps each sequence's
 block table. Three rules shape it:
-- Contiguity. A sequence grows into the block right after its last one when that is free, and a
-  sequence starting (or a grown one whose neighbour is taken) starts its blocks centred in the
-  largest free gap, leaving room on both sides. So most sequences stay a single run of adjacent blocks,
+- Contiguity. A sequence grows into the block right after its last one when that is free (or, in
+  a pool with no free block left, cached but held by nobody), and a sequence starting (or a grown
+  one whose neighbour is taken) starts its blocks centred in the largest free gap, leaving room on
+  both sides. So most sequences stay a single run of adjacent blocks,
   which CPU attention reads as one view (attention.py).
 - Prefix caching. A full block can be registered under a content hash (chained over every token
   before it and a cache scope); a block that no sequence holds any more stays cached, evicted least
@@ -50,24 +51,34 @@ class BlockPool:
         return self._num_free
 
     def allocate(self, after: int | None = None, run: int = 1) -> int:
-        """A block for one holder: the one right after `after` when free, else the first of `run`
-        blocks (about to be taken one after another) centred in the largest free gap, else the
-        least recently used cached block (its content forgotten)."""
-        if after is not None and after + 1 < self.num_blocks and self._free[after + 1]:
-            block = after + 1
+        """A block for one holder: the one right after `after` when free (in a pool with no free
+        block: when nobody holds it, its cached content forgotten), else the first of `run` blocks
+        (about to be taken one after another) centred in the largest free gap, else the least
+        recently used cached block (its content forgotten)."""
+        neighbour = after + 1 if after is not None and after + 1 < self.num_blocks else None
+        if neighbour is not None and self._free[neighbour]:
+            block = neighbour
+        elif neighbour is not None and not self._num_free and neighbour in self._unheld:
+            # a full pool: the cached block next door goes rather than the least recently used one
+            # elsewhere (written about when that one was, usually), so the sequence stays one run
+            return self._take_cached(neighbour)
         elif self._num_free:
             longest = max(map(len, _FREE_RUN.findall(self._free)))  # two passes in C: no Python loop over gaps
             start = self._free.find(b"\x01" * longest)
             block = start + max(0, longest - run) // 2 if start else 0
         elif self._unheld:
-            block, _ = self._unheld.popitem(last=False)
-            self.forget(block)
-            self._holders[block] = 1
-            return block
+            return self._take_cached(next(iter(self._unheld)))
         else:
             raise CacheFullError(f"all {self.num_blocks} KV cache blocks are in use")
         self._free[block] = 0
         self._num_free -= 1
+        self._holders[block] = 1
+        return block
+
+    def _take_cached(self, block: int) -> int:
+        """A cached block nobody holds, its content forgotten, for one holder."""
+        del self._unheld[block]
+        self.forget(block)
         self._holders[block] = 1
         return block
 

@@ -45,6 +45,18 @@ def test_pool_keeps_sequences_in_runs_and_evicts_only_what_nobody_holds():
         pool.allocate()
 
 
+def test_a_full_pool_grows_a_sequence_into_the_cached_block_next_door():
+    pool = BlockPool(8)
+    for block in range(8):
+        assert pool.allocate(block - 1 if block else None) == block
+        pool.register(block, bytes([block]))
+    for block in (5, 2, 3, 4, 0, 1, 6, 7):  # cached, nobody holds them; 5 least recently used
+        pool.release(block)
+    first = pool.allocate(run=3)
+    assert first == 5 and pool.allocate(first) == 6 and pool.allocate(6) == 7  # not 2 and 3, the next oldest
+    assert pool.allocate(7) == 2 and pool.lookup(bytes([6])) is None and pool.lookup(bytes([3])) == 3
+
+
 def test_fragmented_sequences_attend_like_the_model_alone(tiny_model):
     model, _ = tiny_model
     runner = ModelRunner(model, 1, 128, kv_blocks=10, block_size=4)
