@@ -42,6 +42,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
 from cluster.engine.drafting import SentTokens
+from cluster.engine.recovery import TargetRecovery
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import ActiveRequest
@@ -105,7 +106,6 @@ class SpecEngine:
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self._sent = [SentTokens() for _ in self.drafters]
-        self.rebuild_target = rebuild_target
         eos = set(eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -117,9 +117,7 @@ class SpecEngine:
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
         self._stalled = StalledWorkers()
-        self.unavailable: str | None = None
-        """Why the target is down (its rebuild failed); None while it serves."""
-        self._next_rebuild = 0.0
+        self.recovery = TargetRecovery(rebuild_target, config.rebuild_retry_s)
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -290,7 +288,7 @@ class SpecEngine:
 
     def step(self) -> list[StepEvent]:
         """Verify one micro-batch (all active requests when pipelining is off)."""
-        if self.unavailable is not None and not self._rebuilt():
+        if self.recovery.unavailable is not None and not self._rebuilt():
             return self._refuse_waiting()
         failed = self._admit() + self._check_starts()
         if failed or not self.active:
@@ -359,29 +357,22 @@ class SpecEngine:
         log.error("target worker failed: %s", error)
         self.counters.target_failures += 1
         # a group about to be rebuilt is not told anything; one that stays must free the slots
-        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
-        if self.rebuild_target is not None:
-            self.unavailable = f"{type(error).__name__}: {error}"
+        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.recovery.rebuild is None)
+        if self.recovery.rebuild is not None:
+            self.recovery.down(error)
             self._rebuilt()
         return events
 
     def _rebuilt(self) -> bool:
-        """Try to rebuild a failed target (at most once per rebuild_retry_s); whether it now serves."""
-        if time.monotonic() < self._next_rebuild:
-            return False
-        try:
-            self.target = self.rebuild_target()
-        except Exception as error:
-            log.error("rebuilding the target failed: %s; retrying in %g s", error, self.config.rebuild_retry_s)
-            self.unavailable = f"rebuild failed: {type(error).__name__}: {error}"
-            self._next_rebuild = time.monotonic() + self.config.rebuild_retry_s
-            return False
-        self.unavailable = None
-        return True
+        """Try to rebuild the failed target (recovery.py); whether it now serves."""
+        target = self.recovery.try_rebuild()
+        if target is not None:
+            self.target = target
+        return target is not None
 
     def _refuse_waiting(self) -> list[StepEvent]:
         """While the target is down, waiting requests end at once with a retryable error."""
-        reason = f"{TARGET_UNAVAILABLE} ({self.unavailable})"
+        reason = f"{TARGET_UNAVAILABLE} ({self.recovery.unavailable})"
         waiting, preempted = self.scheduler.drain()
         refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in waiting]
         for state in preempted:
@@ -392,8 +383,13 @@ class SpecEngine:
 
     @property
     def healthy(self) -> bool:
-        """False while the target is down (a replica's health check then fails and Serve restarts it)."""
-        return self.unavailable is None
+        """False once a rebuild of the target failed (Serve then replaces the replica); a rebuild under way is not."""
+        return not self.recovery.failed
+
+    @property
+    def ready(self) -> bool:
+        """Whether the target serves now: False while it is down or being rebuilt."""
+        return self.recovery.unavailable is None
 
     def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
         """End every active request with a retryable error (waiting requests stay queued)."""
