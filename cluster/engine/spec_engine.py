@@ -41,7 +41,7 @@ from actors.worker import Worker, tell
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
-from cluster.engine.drafting import SentTokens
+from cluster.engine.drafting import PendingDraft, SentTokens
 from cluster.engine.recovery import TargetRecovery
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.scheduler import Scheduler
@@ -60,18 +60,6 @@ log = logging.getLogger(__name__)
 
 TARGET_FAILED = "the target worker group failed while decoding this request; retry it"
 TARGET_UNAVAILABLE = "the target worker group is down and could not be rebuilt yet; retry later"
-
-
-@dataclass
-class _PendingDraft:
-    future: Future
-    drafter: int
-    request_ids: list[str]
-    submitted: float
-    """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
-    by its requests as their draft time."""
-    rows: int
-    """Tokens the drafter catches up on in this call (what it had not seen of each request)."""
 
 
 @dataclass
@@ -112,7 +100,7 @@ class SpecEngine:
         self.eos_token_ids = frozenset(eos)
         self.counters = EngineCounters()
         self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts, cost=cost)
-        self._pending_drafts: dict[int, _PendingDraft] = {}
+        self._pending_drafts: dict[int, PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
@@ -198,10 +186,11 @@ class SpecEngine:
             tell(drafter, "release", [state.request_id], list(completed), list(scopes))
             sent.forget([state.request_id])
 
-    def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
+    def _submit_draft(self, group: int, states: list[ActiveRequest]) -> PendingDraft | None:
         if not self.drafters:
             return None
         requests = self.speculation.drafts(states)
+        self._hidden.idle({s.request_id for s in states} - {r.request_id for r in requests})
         if not requests:
             return None
         count = len(self.drafters)
@@ -209,13 +198,13 @@ class SpecEngine:
                       if not self._stalled.is_stalled(self.drafters[i])), None)
         if index is None:  # every drafter is stuck in an earlier call: decode plainly
             return None
-        requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
-        outgoing = self._sent[index].outgoing(requests)
+        taken = {r.request_id: self._hidden.take(r.request_id) for r in requests}
+        outgoing = self._sent[index].outgoing([replace(r, hidden=taken[r.request_id]) for r in requests])
         submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
-        return _PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
-                             request_ids=[r.request_id for r in requests], rows=sum(len(r.token_ids) for r in outgoing))
+        return PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
+                            request_ids=list(taken), rows=sum(len(r.token_ids) for r in outgoing), hidden=taken)
 
-    def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
+    def _collect_draft(self, pending: PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
             return {}
         began = time.perf_counter()
@@ -225,6 +214,7 @@ class SpecEngine:
                 raise ValueError(f"{len(reply.trees)} trees for {len(pending.request_ids)} requests")
         except Exception as error:  # a dead, hung or restarting draft actor: decode plainly this step
             self._sent[pending.drafter].forget()
+            pending.give_back(self._hidden, pending.request_ids, self.active)
             if isinstance(error, WorkerTimeout):
                 self._stalled.add(self.drafters[pending.drafter], pending.future)
             self.counters.draft_failures += 1
@@ -236,6 +226,7 @@ class SpecEngine:
             self.counters.draft_wait_seconds += done - began
         trees = reply.trees
         self._sent[pending.drafter].forget(reply.unknown)
+        pending.give_back(self._hidden, reply.unknown, self.active)
         share = (done - pending.submitted) / len(pending.request_ids)
         for request_id in pending.request_ids:
             if request_id in self.active:
