@@ -1,11 +1,36 @@
 """Draft calls that carry only new tokens: the engine remembers what each draft worker has of each
-request (what each request drafts is decided in speculation.py)."""
+request (what each request drafts is decided in speculation.py), and what a call in flight took.
+"""
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Container, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
+from speculators.hidden import PendingHidden, TargetHidden
 from speculators.proposers.base import DraftRequest
+
+
+@dataclass
+class PendingDraft:
+    future: Future
+    drafter: int
+    request_ids: list[str]
+    submitted: float
+    """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
+    by its requests as their draft time."""
+    rows: int
+    """Tokens the drafter catches up on in this call (what it had not seen of each request)."""
+    hidden: dict[str, TargetHidden | None] = field(default_factory=dict)
+    """The target's hidden states the call took, per request."""
+
+    def give_back(self, pending: PendingHidden, request_ids: Iterable[str], active: Container[str]) -> None:
+        """The rows of these requests go back to `pending` (their drafter never used them: the call
+        failed, or it did not know them), for those still `active`: a head's context stays whole."""
+        for request_id in request_ids:
+            rows = self.hidden.get(request_id)
+            if rows is not None and request_id in active:
+                pending.put_back(request_id, rows)
 
 
 class SentTokens:

@@ -32,8 +32,13 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        """The thread runs and its engine has a target (a failed rebuild makes health checks fail)."""
+        """Health: the thread runs and its engine can recover (only a failed rebuild of its target says not)."""
         return self._thread.is_alive() and self.engine.healthy
+
+    @property
+    def ready(self) -> bool:
+        """Readiness: alive, and its target serves now (not while it is rebuilt)."""
+        return self.alive and self.engine.ready
 
     @property
     def load(self) -> int:

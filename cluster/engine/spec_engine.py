@@ -40,7 +40,8 @@ from actors.worker import Worker, tell
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.constraints import RequestRules
 from cluster.engine.cost import CostCurve
-from cluster.engine.drafting import SentTokens
+from cluster.engine.drafting import PendingDraft, SentTokens
+from cluster.engine.recovery import TargetRecovery
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import ActiveRequest
@@ -58,18 +59,6 @@ log = logging.getLogger(__name__)
 
 TARGET_FAILED = "the target worker group failed while decoding this request; retry it"
 TARGET_UNAVAILABLE = "the target worker group is down and could not be rebuilt yet; retry later"
-
-
-@dataclass
-class _PendingDraft:
-    future: Future
-    drafter: int
-    request_ids: list[str]
-    submitted: float
-    """When the draft was asked for: its wall time (overlapping a verify when pipelined) is shared
-    by its requests as their draft time."""
-    rows: int
-    """Tokens the drafter catches up on in this call (what it had not seen of each request)."""
 
 
 @dataclass
@@ -104,21 +93,18 @@ class SpecEngine:
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self._sent = [SentTokens() for _ in self.drafters]
-        self.rebuild_target = rebuild_target
         eos = set(eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.counters = EngineCounters()
         self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts, cost=cost)
-        self._pending_drafts: dict[int, _PendingDraft] = {}
+        self._pending_drafts: dict[int, PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
         self._stalled = StalledWorkers()
-        self.unavailable: str | None = None
-        """Why the target is down (its rebuild failed); None while it serves."""
-        self._next_rebuild = 0.0
+        self.recovery = TargetRecovery(rebuild_target, config.rebuild_retry_s)
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -199,10 +185,11 @@ class SpecEngine:
             tell(drafter, "release", [state.request_id], list(completed), list(scopes))
             sent.forget([state.request_id])
 
-    def _submit_draft(self, group: int, states: list[ActiveRequest]) -> _PendingDraft | None:
+    def _submit_draft(self, group: int, states: list[ActiveRequest]) -> PendingDraft | None:
         if not self.drafters:
             return None
         requests = self.speculation.drafts(states)
+        self._hidden.idle({s.request_id for s in states} - {r.request_id for r in requests})
         if not requests:
             return None
         count = len(self.drafters)
@@ -210,13 +197,13 @@ class SpecEngine:
                       if not self._stalled.is_stalled(self.drafters[i])), None)
         if index is None:  # every drafter is stuck in an earlier call: decode plainly
             return None
-        requests = [replace(r, hidden=self._hidden.take(r.request_id)) for r in requests]
-        outgoing = self._sent[index].outgoing(requests)
+        taken = {r.request_id: self._hidden.take(r.request_id) for r in requests}
+        outgoing = self._sent[index].outgoing([replace(r, hidden=taken[r.request_id]) for r in requests])
         submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
-        return _PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
-                             request_ids=[r.request_id for r in requests], rows=sum(len(r.token_ids) for r in outgoing))
+        return PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
+                            request_ids=list(taken), rows=sum(len(r.token_ids) for r in outgoing), hidden=taken)
 
-    def _collect_draft(self, pending: _PendingDraft | None) -> dict[str, DraftTree]:
+    def _collect_draft(self, pending: PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
             return {}
         began = time.perf_counter()
@@ -226,6 +213,7 @@ class SpecEngine:
                 raise ValueError(f"{len(reply.trees)} trees for {len(pending.request_ids)} requests")
         except Exception as error:  # a dead, hung or restarting draft actor: decode plainly this step
             self._sent[pending.drafter].forget()
+            pending.give_back(self._hidden, pending.request_ids, self.active)
             if isinstance(error, WorkerTimeout):
                 self._stalled.add(self.drafters[pending.drafter], pending.future)
             self.counters.draft_failures += 1
@@ -237,6 +225,7 @@ class SpecEngine:
             self.counters.draft_wait_seconds += done - began
         trees = reply.trees
         self._sent[pending.drafter].forget(reply.unknown)
+        pending.give_back(self._hidden, reply.unknown, self.active)
         share = (done - pending.submitted) / len(pending.request_ids)
         for request_id in pending.request_ids:
             if request_id in self.active:
@@ -289,7 +278,7 @@ class SpecEngine:
 
     def step(self) -> list[StepEvent]:
         """Verify one micro-batch (all active requests when pipelining is off)."""
-        if self.unavailable is not None and not self._rebuilt():
+        if self.recovery.unavailable is not None and not self._rebuilt():
             return self._refuse_waiting()
         failed = self._admit() + self._check_starts()
         if failed or not self.active:
@@ -358,29 +347,22 @@ class SpecEngine:
         log.error("target worker failed: %s", error)
         self.counters.target_failures += 1
         # a group about to be rebuilt is not told anything; one that stays must free the slots
-        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.rebuild_target is None)
-        if self.rebuild_target is not None:
-            self.unavailable = f"{type(error).__name__}: {error}"
+        events = self.fail_all(f"{TARGET_FAILED} ({type(error).__name__})", notify_target=self.recovery.rebuild is None)
+        if self.recovery.rebuild is not None:
+            self.recovery.down(error)
             self._rebuilt()
         return events
 
     def _rebuilt(self) -> bool:
-        """Try to rebuild a failed target (at most once per rebuild_retry_s); whether it now serves."""
-        if time.monotonic() < self._next_rebuild:
-            return False
-        try:
-            self.target = self.rebuild_target()
-        except Exception as error:
-            log.error("rebuilding the target failed: %s; retrying in %g s", error, self.config.rebuild_retry_s)
-            self.unavailable = f"rebuild failed: {type(error).__name__}: {error}"
-            self._next_rebuild = time.monotonic() + self.config.rebuild_retry_s
-            return False
-        self.unavailable = None
-        return True
+        """Try to rebuild the failed target (recovery.py); whether it now serves."""
+        target = self.recovery.try_rebuild()
+        if target is not None:
+            self.target = target
+        return target is not None
 
     def _refuse_waiting(self) -> list[StepEvent]:
         """While the target is down, waiting requests end at once with a retryable error."""
-        reason = f"{TARGET_UNAVAILABLE} ({self.unavailable})"
+        reason = f"{TARGET_UNAVAILABLE} ({self.recovery.unavailable})"
         waiting, preempted = self.scheduler.drain()
         refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in waiting]
         for state in preempted:
@@ -391,8 +373,13 @@ class SpecEngine:
 
     @property
     def healthy(self) -> bool:
-        """False while the target is down (a replica's health check then fails and Serve restarts it)."""
-        return self.unavailable is None
+        """False once a rebuild of the target failed (Serve then replaces the replica); a rebuild under way is not."""
+        return not self.recovery.failed
+
+    @property
+    def ready(self) -> bool:
+        """Whether the target serves now: False while it is down or being rebuilt."""
+        return self.recovery.unavailable is None
 
     def fail_all(self, reason: str, notify_target: bool = True) -> list[StepEvent]:
         """End every active request with a retryable error (waiting requests stay queued)."""

@@ -79,6 +79,16 @@ class ClusterSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _pool_parts_end_before_the_call(self) -> ClusterSpec:
+        """Past draft_timeout_s the engine gives up on the whole pooled call (and the pooled drafter with
+        it); a drafter's part must end before that, so that only its own requests go without drafts."""
+        pool, engine = self.draft_pool, self.engine
+        if pool is not None and pool.member_timeout_s >= engine.draft_timeout_s:
+            raise ValueError(f"draft_pool.member_timeout_s ({pool.member_timeout_s:g}) must be below "
+                             f"engine.draft_timeout_s ({engine.draft_timeout_s:g})")
+        return self
+
+    @model_validator(mode="after")
     def _labels_are_exact_values(self) -> ClusterSpec:
         """Ray reads `!v` and `in(a,b)` as operators; here a label is matched exactly, so refuse them
         rather than place by a rule the capacity check does not follow."""

@@ -12,7 +12,9 @@ again (the first of several to ask does; the others attach to it).
 
 Each target group drafts through a `PooledDrafter` (cluster/runtime/pooled_drafter.py), which
 routes its requests to the pool's members and reports its waits to the keeper. The keeper sizes the
-pool between `min_drafters` and `max_drafters` on those waits (cluster/runtime/pool_sizing.py).
+pool between `min_drafters` and `max_drafters` on those waits (cluster/runtime/pool_sizing.py), and
+replaces a drafter that stops answering its health checks (cluster/runtime/member_checks.py), with a
+warning naming it and `specserve_draft_pool_replaced_drafters` counting it.
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ import uuid
 from dataclasses import dataclass
 
 import ray
-from ray.util.metrics import Gauge
+from ray.util.metrics import Counter, Gauge
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.draft_worker import DraftWorker
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.draft_actors import draft_actor_builder
+from cluster.runtime.member_checks import MemberChecks
 from cluster.runtime.placement import PlacementError, group_name
 from cluster.runtime.pool_sizing import Window, decide_size
 
@@ -65,6 +68,9 @@ class DraftPool:
         self._drafters_gauge = Gauge("specserve_draft_pool_drafters", "drafters in the draft pool", tag_keys=("pool",))
         self._wait_gauge = Gauge("specserve_draft_pool_wait_fraction", "mean wait of a draft call (queue, transfer) "
                                  "over the mean target pass, over the pool's last decision period", tag_keys=("pool",))
+        self._replaced = Counter("specserve_draft_pool_replaced_drafters", "drafters the pool replaced because they "
+                                 "stopped answering its health checks", tag_keys=("pool", "drafter"))
+        self._checks = MemberChecks(self.pool.member_timeout_s, self.pool.member_misses)
         self._resize(self.pool.min_drafters)
         self._idle_since: float | None = time.monotonic()
         self._drafters_gauge.set(len(self.members), tags)
@@ -83,11 +89,28 @@ class DraftPool:
                 self.members, self._changes = [*self.members, member], self._changes + 1
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
         while len(self.members) > size:
-            with self._lock:
-                member, self.members, self._changes = self.members[-1], self.members[:-1], self._changes + 1
-            ray.kill(member.actor)
-            remove_placement_group(member.group)
+            self._remove(self.members[-1])
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
+
+    def _remove(self, member: Member) -> None:
+        with self._lock:
+            self.members, self._changes = [m for m in self.members if m is not member], self._changes + 1
+        ray.kill(member.actor)
+        remove_placement_group(member.group)
+
+    def _replace_hung(self) -> None:
+        """A drafter that missed member_misses health checks in a row goes, and a new one takes its place
+        (clients learn of it with their next report; its requests move to the others meanwhile)."""
+        for member in self._checks.check(list(self.members)):
+            log.warning("draft pool %s: drafter %s missed %d health checks in a row (%g s each); replacing it",
+                        self.pool.name, member.member_id, self.pool.member_misses, self.pool.member_timeout_s)
+            self._replaced.inc(tags={"pool": self.pool.name, "drafter": member.member_id})
+            size = len(self.members)
+            self._remove(member)
+            try:
+                self._resize(size)
+            except PlacementError as error:  # no room now: the next sizing decision tries again
+                log.warning("%s", error)
 
     def _place(self) -> Member:
         """One drafter, in a placement group of its own (on a draft-labelled node when the spec
@@ -162,12 +185,13 @@ class DraftPool:
                         self._wait_gauge.set(fraction, {"pool": self.pool.name})
                     size, self._low_since = decide_size(len(self.members), fraction, self.pool, self._low_since, now)
                     self.window, self._decided = Window(), now
+            self._replace_hung()
             if size is not None:
                 try:
-                    self._resize(size)
+                    self._resize(max(size, self.pool.min_drafters))  # min_drafters: after a replacement found no room
                 except PlacementError as error:  # no room now; the next decision tries again
                     log.warning("%s", error)
-                self._drafters_gauge.set(len(self.members), {"pool": self.pool.name})
+            self._drafters_gauge.set(len(self.members), {"pool": self.pool.name})
         log.info("draft pool %s: no replica for %g s; ending", self.pool.name, self.pool.idle_shutdown_s)
         self._resize(0)
         ray.kill(ray.get_runtime_context().current_actor)  # detached: nobody else ends it

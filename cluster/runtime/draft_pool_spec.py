@@ -23,6 +23,12 @@ class DraftPoolSpec(BaseModel):
     report_period_s: float = Field(2, gt=0, description="how often each target group reports its waits and passes")
     idle_shutdown_s: float = Field(60, gt=0, description="the pool ends this long after its last replica detached "
                                    "or stopped reporting")
+    member_timeout_s: float = Field(
+        2, gt=0, description="longest wait for one drafter's part of a draft call (the other drafters' parts are used "
+        "without it: its requests decode plainly that step and draft on the others from the next) and for its "
+        "answer to the keeper's health check; below the engine's draft_timeout_s")
+    member_misses: int = Field(3, ge=1, description="health checks in a row (one every report_period_s) a drafter may "
+                               "leave unanswered past member_timeout_s before the keeper replaces it")
 
     @model_validator(mode="after")
     def _bounds(self) -> DraftPoolSpec:

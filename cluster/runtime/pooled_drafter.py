@@ -4,7 +4,11 @@
 A request's calls go to the drafter that holds its state, a new request to the drafter this client
 loads least; a drafter that fails (its process, its node) loses its requests to the others, which
 rebuild them from the tokens the next call carries (the draft worker's protocol: a request it does
-not know comes back as `unknown` and is sent whole). Finished outputs are sent to every drafter, so
+not know comes back as `unknown` and is sent whole). Each drafter's part of a call has a deadline
+(`member_timeout_s`): the call is answered with the parts that came back by then, and the requests
+of a drafter that missed it (or failed) decode plainly that step and move to the others, so one
+hung drafter does not stop drafting for the rest (the keeper replaces it after a few missed health
+checks, draft_pool.py). Finished outputs are sent to every drafter, so
 suffix decoding's index of earlier outputs stays whole in every drafter, under the request's cache
 scope. Each client reports its draft calls' waits and its target's passes to the keeper, which sizes
 the pool on them (cluster/runtime/pool_sizing.py).
@@ -13,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import ray
@@ -34,9 +39,13 @@ class _Call:
     """One draft call of the engine, split over the drafters that hold its requests."""
 
     requests: list[DraftRequest]
+    future: Future = field(default_factory=Future)
     parts: dict[str, list[int]] = field(default_factory=dict)  # member id -> indices into requests
     replies: dict[str, DraftReply | BaseException] = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
+    closed: bool = False
+    """Answered (every part came back, or the deadline passed): a later reply is dropped."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class PooledDrafter:
@@ -44,11 +53,14 @@ class PooledDrafter:
 
     A thread of its own reports to the pool every report_period_s (busy or idle: an attached replica
     keeps its pool alive), fetches the members when their version changed or a member failed, and
-    attaches again, creating the pool anew, when the pool is gone for good."""
+    attaches again, creating the pool anew, when the pool is gone for good. Another answers each
+    draft call at its deadline with the parts that came back."""
 
-    def __init__(self, connect: Callable[[], object], fingerprint: str, report_period_s: float, counters=None):
+    def __init__(self, connect: Callable[[], object], fingerprint: str, report_period_s: float,
+                 member_timeout_s: float, counters=None):
         """`connect()` returns the pool's actor handle (creating the pool if there is none)."""
         self.connect, self.fingerprint, self.client_id = connect, fingerprint, uuid.uuid4().hex[:12]
+        self.member_timeout_s = member_timeout_s
         self.counters = counters  # () -> EngineCounters of the engine drafting through this (set after it is built)
         self.holder: dict[str, str] = {}
         self.members: dict[str, object] = {}
@@ -63,8 +75,11 @@ class PooledDrafter:
         self._reported = (0, 0.0, 0, 0.0)  # calls, wait, target passes, pass seconds at the last report
         self._period = report_period_s
         self._stale, self._stop = threading.Event(), threading.Event()
+        self._open: queue.Queue[_Call | None] = queue.Queue()
+        """Calls in flight, in submission order (so their deadlines come in order too)."""
         self._attach()
         threading.Thread(target=self._report_forever, daemon=True, name="draft-pool-client").start()
+        threading.Thread(target=self._close_at_deadlines, daemon=True, name="draft-pool-deadlines").start()
 
     def _attach(self) -> None:
         self.pool = self.connect()
@@ -96,11 +111,11 @@ class PooledDrafter:
         return member
 
     def _propose(self, requests: Sequence[DraftRequest]) -> Future:
-        call, future = _Call(list(requests)), Future()
+        call = _Call(list(requests))
         if not self.members:  # the pool has no drafter now: a plain step
-            future.set_exception(RuntimeError("the draft pool has no drafter"))
+            call.future.set_exception(RuntimeError("the draft pool has no drafter"))
             self._stale.set()
-            return future
+            return call.future
         with self._lock:
             for index, request in enumerate(call.requests):
                 call.parts.setdefault(self._choose(request.request_id), []).append(index)
@@ -108,26 +123,47 @@ class PooledDrafter:
         for member, indices in call.parts.items():
             part = [call.requests[i] for i in indices]
             ray_future = actors[member].propose.remote(part).future()
-            ray_future.add_done_callback(functools.partial(self._part_done, call, member, future))
-        return future
+            ray_future.add_done_callback(functools.partial(self._part_done, call, member))
+        self._open.put(call)
+        return call.future
 
-    def _part_done(self, call: _Call, member: str, future: Future, done: Future) -> None:
+    def _part_done(self, call: _Call, member: str, done: Future) -> None:
         try:
-            call.replies[member] = done.result()
+            reply = done.result()
         except BaseException as error:  # the member died or failed: its requests move on the next call
-            call.replies[member] = error
-        if len(call.replies) == len(call.parts):
-            future.set_result(self._merge(call))
+            reply = error
+        with call.lock:
+            if call.closed:  # it came after the deadline: its requests were already given up
+                return
+            call.replies[member] = reply
+            complete = len(call.replies) == len(call.parts)
+        if complete:
+            self._close(call)
+
+    def _close_at_deadlines(self) -> None:
+        """Answer each call by its deadline with the parts that came back (calls queue in the order sent)."""
+        while (call := self._open.get()) is not None:
+            wait([call.future], timeout=max(0.0, call.submitted + self.member_timeout_s - time.perf_counter()))
+            self._close(call)
+
+    def _close(self, call: _Call) -> None:
+        """Answer the call once, by the last part to come back or by its deadline, whichever is first."""
+        with call.lock:
+            if call.closed:
+                return
+            call.closed = True
+        call.future.set_result(self._merge(call))
 
     def _merge(self, call: _Call) -> DraftReply:
-        """One reply in the call's order; a failed member's requests get root-only trees and are
-        reported unknown (sent whole next time, to another member)."""
+        """One reply in the call's order; the requests of a member that failed or missed the deadline get
+        root-only trees and are reported unknown (sent whole next time, to another member)."""
         trees: list[DraftTree | None] = [None] * len(call.requests)
-        unknown, elapsed, failed = [], time.perf_counter() - call.submitted, []
+        unknown, elapsed = [], time.perf_counter() - call.submitted
+        missed = [member for member in call.parts if member not in call.replies]
+        failed = [member for member, reply in call.replies.items() if isinstance(reply, BaseException)]
         for member, indices in call.parts.items():
-            reply = call.replies[member]
-            if isinstance(reply, BaseException):
-                failed.append(member)
+            reply = call.replies.get(member)
+            if reply is None or isinstance(reply, BaseException):
                 for i in indices:
                     trees[i] = DraftTree.root_only(call.requests[i].token_ids[-1])
                     unknown.append(call.requests[i].request_id)
@@ -139,16 +175,24 @@ class PooledDrafter:
             with self._lock:
                 self.waited[0] += 1
                 self.waited[1] += max(0.0, elapsed - reply.busy_s)
+        if missed:
+            log.warning("draft pool member(s) %s missed the %g s deadline of a draft call; their requests decode "
+                        "plainly this step and move to the others", missed, self.member_timeout_s)
         if failed:
             log.warning("draft pool member(s) %s failed; their requests move to the others", failed)
-            with self._lock:
-                self.holder = {r: m for r, m in self.holder.items() if m not in failed}
-                self._load = {m: sum(1 for held in self.holder.values() if held == m) for m in self.members}
-                self._suspect.update(failed)
-                pings = [(m, self.members[m].ping.remote().future()) for m in failed if m in self.members]
-            for member, ping in pings:
-                ping.add_done_callback(functools.partial(self._answered, member))
+        if missed or failed:
+            self._set_aside(missed + failed)
         return DraftReply(trees, unknown)
+
+    def _set_aside(self, members: list[str]) -> None:
+        """Members that failed or missed get no requests until they answer a ping; theirs move on."""
+        with self._lock:
+            self.holder = {r: m for r, m in self.holder.items() if m not in members}
+            self._load = {m: sum(1 for held in self.holder.values() if held == m) for m in self.members}
+            self._suspect.update(members)
+            pings = [(m, self.members[m].ping.remote().future()) for m in members if m in self.members]
+        for member, ping in pings:
+            ping.add_done_callback(functools.partial(self._answered, member))
 
     def _answered(self, member: str, ping: Future) -> None:
         """A suspect member answered (restarted) or is gone (the pool's list is fetched again)."""
@@ -207,6 +251,7 @@ class PooledDrafter:
     def shutdown(self) -> None:
         self._stop.set()
         self._stale.set()
+        self._open.put(None)
         try:
             ray.get(self.pool.detach.remote(self.client_id), timeout=10)
         except Exception as error:

@@ -71,7 +71,8 @@ class SpecCluster:
             if spec.draft_pool is not None:  # first: a replica the pool refuses reserves nothing
                 fingerprint = pool_fingerprint(spec)
                 connect = functools.partial(pool_actor, spec, fingerprint)
-                self.pooled = [PooledDrafter(connect, fingerprint, spec.draft_pool.report_period_s)
+                pool = spec.draft_pool
+                self.pooled = [PooledDrafter(connect, fingerprint, pool.report_period_s, pool.member_timeout_s)
                                for _ in range(spec.num_target_groups)]
             self.placement = reserve(spec)
             draft_actor = ray.remote(DraftWorker)

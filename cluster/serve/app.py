@@ -6,8 +6,9 @@ routed by the model a request names (models.py): the gRPC
 methods below (names match protos/specserve.proto; Serve's gRPC proxy routes an RPC to the method
 of the same name) and the FastAPI routes of openai_api.py. Scaling the deployment scales
 target groups; `record_autoscaling_stats` feeds autoscaling.py's policy. `GET /health` (openai_api.py)
-and grpc.health.v1 answer whether every engine loop of a replica runs, and once the application
-answers, its first replica logs `specserve ready: model ..., HTTP on HOST:PORT, gRPC on PORT`.
+and grpc.health.v1 answer whether every engine loop of a replica serves now (readiness); Serve's
+health check, whether it can recover (`check_health`, cluster/engine/recovery.py). Once the
+application answers, its first replica logs `specserve ready: model ..., HTTP on HOST:PORT, gRPC on PORT`.
 
 `build_app(args)` is the import path for `ray serve run configs/serve.yaml` and `serve build`.
 """
@@ -216,10 +217,12 @@ class SpecServer:
         return [None if planner is None else planner.cost.to_json() for planner in planners]
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose engine loops died."""
+        """Serve replaces a replica whose engine loops died or whose target could not be rebuilt; a
+        rebuild under way is no failure (it outlasts Serve's three checks), only not ready (readiness:
+        `GET /health` and gRPC Check)."""
         dead = [loop for loop in self.loops if not loop.alive]
         if dead:
-            raise RuntimeError(f"{len(dead)} engine loops stopped")
+            raise RuntimeError(f"{len(dead)} engine loops stopped or failed to rebuild their target")
 
     def __del__(self):
         for cluster in getattr(self, "clusters", ()):
@@ -299,14 +302,15 @@ class SpecServer:
                                              for service in self.models])
 
     async def Check(self, message: health_pb2.HealthCheckRequest, grpc_context=None) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1.Health/Check: SERVING while every engine loop runs; NOT_FOUND for a service
-        this server does not have (the health protocol's answer)."""
+        """grpc.health.v1.Health/Check: SERVING while every engine loop serves (NOT_SERVING while a
+        target group is rebuilt); NOT_FOUND for a service this server does not have (the health
+        protocol's answer)."""
         if message.service not in HEALTH_SERVICES:
             if grpc_context is not None:
                 grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
                 grpc_context.set_details(f"unknown service {message.service!r}; known: {', '.join(map(repr, HEALTH_SERVICES))}")
             return health_pb2.HealthCheckResponse()
-        serving = all(loop.alive for loop in self.loops)
+        serving = all(loop.ready for loop in self.loops)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 

@@ -7,7 +7,8 @@ that is not served, 503 with Retry-After when the replica is full or a worker fa
 logged once, at INFO, without a traceback: it is the client's mistake, not the server's. Speculation
 is chosen per request with a non-standard `speculation` object (the fields of `SpeculationOptions`)
 and reported back in a non-standard `speculation` object. `GET /health` answers 200 while every
-engine loop of the replica runs and 503 otherwise, without an API key (as vLLM's does).
+engine loop of the replica serves and 503 otherwise (a target group being rebuilt too), without an
+API key (as vLLM's does).
 
 A body is parsed, tokenized and its grammar compiled on a worker thread (`asyncio.to_thread`), not
 on the replica's event loop, where a large grammar would stall every stream while it compiles.
@@ -67,8 +68,9 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        """200 while every engine loop of this replica runs, 503 otherwise (vLLM's /health, for load
-        balancers, readiness probes and benchmark tools). No API key, as in vLLM. On a Ray cluster,
+        """200 while every engine loop of this replica serves, 503 otherwise, a target group being rebuilt
+        included (vLLM's /health, for load balancers, readiness probes and benchmark tools). No API
+        key, as in vLLM. On a Ray cluster,
         placement groups of this project that wait for room (a replica or drafter being added)
         are listed under `pending_placements`, with Ray's reason (read at most once a PLACEMENTS_TTL_S)."""
         try:
@@ -78,6 +80,9 @@ def build_openai_router(get_models: Callable[[], ServedModels]) -> APIRouter:
         dead = sum(not loop.alive for loop in loops)
         if dead:
             return _unhealthy(f"{dead} of {len(loops)} engine loops stopped")
+        rebuilding = sum(not loop.ready for loop in loops)
+        if rebuilding:
+            return _unhealthy(f"{rebuilding} of {len(loops)} target groups are being rebuilt")
         pending = await placements.get() if ray.is_initialized() else []
         return JSONResponse({"status": "ok", **({"pending_placements": pending} if pending else {})})
 

@@ -182,11 +182,11 @@ def test_a_failed_rebuild_answers_every_request_and_fails_health_until_a_rebuild
         assert first.finish_reason == "error" and TARGET_FAILED in first.error
         refused = answer(loop, requests("b")[0]).result(30)  # answered at once, not left waiting
         assert refused.finish_reason == "error" and TARGET_UNAVAILABLE in refused.error
-        assert not loop.alive  # the replica's health check fails while the target is down
+        assert not loop.alive and not loop.ready  # a failed rebuild fails the replica's health check too
         threading.Event().wait(0.6)
         recovered = [answer(loop, r) for r in requests()]
         assert [f.result(60).token_ids for f in recovered] == plain
-        assert loop.alive and len(attempts) == 2
+        assert loop.alive and loop.ready and len(attempts) == 2
     finally:
         loop.stop()
 

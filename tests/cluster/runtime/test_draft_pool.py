@@ -1,11 +1,12 @@
 """A draft pool shared by target groups of several replicas (SpecClusters standing for Serve
-replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, sizing live,
-a lost keeper, planning."""
+replicas), on a local Ray cluster with 4 fake GPUs: sharing, routing, a lost drafter, a hung one,
+sizing live, a lost keeper, planning."""
 from __future__ import annotations
 
 import json
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import ray
@@ -17,10 +18,19 @@ from cluster.engine.cost import TOKEN_POINTS, CostCurve, CostPoint, curves_folde
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.draft_pool import NAMESPACE
 from cluster.runtime.draft_pool_spec import DraftPoolSpec
+from cluster.runtime.member_checks import MemberChecks
 from cluster.runtime.pool_sizing import Window, decide_size
 from cluster.runtime.spec_cluster import SpecCluster
+from speculators.proposers.base import DraftRequest
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
-from tests.cluster.runtime.cluster_requests import NEW_TOKENS, UNPLANNED, expected, requests, run_while  # noqa: F401
+from tests.cluster.runtime.cluster_requests import (  # noqa: F401  (expected is a fixture)
+    NEW_TOKENS,
+    PROMPTS,
+    UNPLANNED,
+    expected,
+    requests,
+    run_while,
+)
 from tests.conftest import IdTokenizer
 
 
@@ -83,6 +93,39 @@ def test_replicas_share_the_pool_spread_over_its_drafters_and_lose_nothing_when_
         for replica in replicas:
             replica.shutdown()
     assert pool_is_gone("shared")
+
+
+def test_a_hung_drafter_costs_only_its_requests_drafts_and_is_replaced(ray_four_gpus, tiny_model_dir, expected):
+    """One of a pool's two drafters hangs in a call that never returns. A draft call split over both
+    is answered at the member deadline with the other's trees (the hung one's request root-only,
+    reported unknown); the replica decodes on, drafting on the other drafter, output equal to plain
+    decoding; the keeper replaces the hung drafter after member_misses unanswered health checks."""
+    spec = pooled_spec(tiny_model_dir, "hung", min_drafters=2, max_drafters=2, member_timeout_s=1.0, member_misses=4)
+    replica = SpecCluster(spec).start()
+    try:
+        pooled = replica.pooled[0]
+        (hung_id, hung), (other_id, _) = pooled.members.items()
+        hung.__ray_call__.remote(lambda worker: threading.Event().wait(600))  # the drafter's one thread, stuck
+        began = time.monotonic()
+        future = pooled.submit("propose", [DraftRequest("a", PROMPTS[0], 4, 16), DraftRequest("b", PROMPTS[3], 4, 16)])
+        assert pooled.holder == {"a": hung_id, "b": other_id}
+        reply = future.result(timeout=10)
+        assert time.monotonic() - began < 5
+        assert reply.trees[0].num_drafted == 0 and reply.unknown == ["a"] and reply.trees[1].num_drafted > 0
+        pooled.submit("release", ["a", "b"])
+        outputs = replica.generate(requests("h"), timeout_s=120)
+        assert [o.token_ids for o in outputs] == expected
+        assert all(o.stats.drafted > 0 for o in outputs) and sum(o.stats.accepted for o in outputs) > 0
+        keeper = ray.get_actor("draft-pool-hung", namespace=NAMESPACE)
+        members = lambda: dict(ray.get(keeper.members_now.remote())[1])  # noqa: E731
+        wait_for(lambda: hung_id not in members() and len(members()) == 2, 30, "the hung drafter was not replaced")
+        wait_for(lambda: set(pooled.members) == set(members()), 10, "the replica did not learn of the new drafter")
+        ray.get([member.ping.remote() for member in pooled.members.values()], timeout=60)
+        again = replica.generate(requests("n"), timeout_s=120)
+        assert [o.token_ids for o in again] == expected and sum(o.stats.accepted for o in again) > 0
+    finally:
+        replica.shutdown()
+    assert pool_is_gone("hung")
 
 
 def pool_size(name: str) -> int:
@@ -166,3 +209,43 @@ def test_the_pool_grows_when_calls_wait_and_shrinks_after_waits_stay_low():
     assert decide_size(1, 0.0, spec, 10.0, 500.0) == (1, 10.0)  # at min_drafters
     with pytest.raises(ValueError, match="max_drafters"):
         DraftPoolSpec(name="p", min_drafters=2, max_drafters=1)
+
+
+class FakeDrafter:
+    """What the keeper's checks use of a pool member: its id and `actor.ping.remote().future()`."""
+
+    def __init__(self, member_id: str):
+        self.member_id, self.actor, self.pings = member_id, self, []
+
+    @property
+    def ping(self):
+        return self
+
+    def remote(self):
+        return self
+
+    def future(self) -> Future:
+        self.pings.append(Future())
+        return self.pings[-1]
+
+
+def test_a_drafter_is_replaced_after_missed_checks_in_a_row_not_while_it_starts_or_is_slow():
+    checks, drafter = MemberChecks(timeout_s=0.0, misses=3), FakeDrafter("d")  # every ping out is late
+    assert [checks.check([drafter]) for _ in range(5)] == [[]] * 5  # starting: never answered yet
+    assert len(drafter.pings) == 1  # one ping out at a time
+    drafter.pings[-1].set_result(True)
+    assert checks.check([drafter]) == [] and len(drafter.pings) == 2  # started; asked again
+    assert checks.check([drafter]) == [] and checks.check([drafter]) == []  # two misses
+    drafter.pings[-1].set_result(True)  # slow, not hung: the run of misses ends
+    assert [checks.check([drafter]) for _ in range(3)] == [[], [], []]
+    assert checks.check([drafter]) == [drafter]  # the third miss in a row
+    gone = FakeDrafter("gone")
+    for _ in range(3):
+        assert checks.check([gone]) == []
+        gone.pings[-1].set_exception(RuntimeError("the actor died"))  # a failed ping counts, started or not
+    assert checks.check([gone]) == [gone]
+
+
+def test_a_drafters_deadline_must_end_before_the_engines():
+    with pytest.raises(ValueError, match="draft_pool.member_timeout_s"):
+        ClusterSpec(engine=EngineConfig(method="pld", draft_timeout_s=2), draft_pool=DraftPoolSpec(name="p"))

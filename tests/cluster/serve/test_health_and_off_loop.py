@@ -1,6 +1,7 @@
-"""GET /health, the API docs, and work kept off the event loop: a grammar that takes long to compile
-holds up its own request only, and the token strings of logprobs are built before the first request,
-on both front ends (HTTP routes over uvicorn, and SpecServer's gRPC methods called without Ray)."""
+"""GET /health and Serve's health check while a target group is rebuilt, the API docs, and work
+kept off the event loop: a grammar that takes long to compile holds up its own request only, and
+the token strings of logprobs are built before the first request, on both front ends (HTTP routes
+over uvicorn, and SpecServer's gRPC methods called without Ray)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,15 +10,21 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fastapi import FastAPI
+from grpc_health.v1 import health_pb2
 
 from actors.model.loader import load_tokenizer
+from actors.target_worker import TargetWorker
+from actors.worker import LocalWorker
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.loop import EngineLoop
+from cluster.engine.request import GenerationRequest
+from cluster.engine.spec_engine import SpecEngine
 from cluster.serve.app import SpecServer
 from cluster.serve.models import ServedModels
 from cluster.serve.openai_api import build_http_app, build_openai_router
@@ -25,6 +32,7 @@ from cluster.serve.service import ServiceLimits, SpecService
 from protos import specserve_pb2 as pb
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.engine.test_engine_faults import answer, failing_target
 from tests.cluster.serve.grpc_context import GrpcContext
 from tests.cluster.serve.uvicorn_server import uvicorn_server
 from tests.conftest import tiny_pair
@@ -133,6 +141,63 @@ def test_health_reads_rays_placement_table_at_most_once_a_second(served, monkeyp
         assert len(calls) == 1
         time.sleep(0.6)
         assert get(probe, "/health") == (200, {"status": "ok"}) and len(calls) == 2
+
+
+def test_a_rebuild_that_outlasts_serves_health_checks_is_not_ready_yet_healthy(served):
+    """Serve replaces a replica after REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD failed checks (every
+    health_check_period_s, 10 s), and a large group reloading its weights takes longer. The checks run
+    here as Serve runs them, a short period apart, while the rebuild is held past that many: none
+    fails, while readiness (HTTP and gRPC) says not serving; then it serves again."""
+    from ray.serve._private.constants import REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
+
+    tokenizer, period_s = served.service.tokenizer, 0.2
+    model, _ = tiny_pair(dtype=torch.float64, vocab_size=len(tokenizer))
+    rebuilding, released = threading.Event(), threading.Event()
+
+    def rebuild():
+        rebuilding.set()
+        released.wait(60)
+        return LocalWorker(TargetWorker(model, 4, 256))
+
+    config = SchedulerConfig(max_sequences=4, max_len=256)
+    engine = SpecEngine(LocalWorker(failing_target(model, "verify")), tokenizer, [], config, vocab_size=len(tokenizer),
+                        rebuild_target=rebuild)
+    loop = EngineLoop(engine, "slow-rebuild-engine")
+    service = SpecService([loop], tokenizer, MODEL_ID, "pld", LookaheadConfig(), ServiceLimits(api_key=API_KEY))
+    server = object.__new__(next(cls for cls in SpecServer.func_or_class.__mro__ if "_request" in vars(cls)))
+    server.clusters, server.models = [SimpleNamespace(loops=[loop])], ServedModels([service])
+
+    def grpc_status():
+        return asyncio.run(server.Check(health_pb2.HealthCheckRequest(), GrpcContext(None))).status
+
+    prompt = tokenizer.encode(PROMPT)
+    try:
+        with uvicorn_server(build_http_app(lambda: server.models), "slow-rebuild-server") as port:
+            probe = Served(service, loop, port)
+            failed = answer(loop, GenerationRequest("failed", prompt, max_new_tokens=4))
+            assert rebuilding.wait(30)
+            began = time.monotonic()
+            for _ in range(REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD + 2):
+                server.check_health()  # healthy: it can recover
+                status, body = get(probe, "/health")
+                assert (status, body["reason"]) == (503, "1 of 1 target groups are being rebuilt")
+                assert grpc_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                time.sleep(period_s)
+            assert time.monotonic() - began > REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD * period_s
+            released.set()
+            assert failed.result(30).finish_reason == "error"
+            deadline = time.monotonic() + 30
+            while not loop.ready:
+                assert time.monotonic() < deadline, "the rebuilt target does not serve"
+                time.sleep(0.05)
+            server.check_health()
+            assert get(probe, "/health") == (200, {"status": "ok"})
+            assert grpc_status() == health_pb2.HealthCheckResponse.SERVING
+            again = answer(loop, GenerationRequest("again", prompt, max_new_tokens=4)).result(60)
+            assert again.finish_reason in ("stop", "length") and len(again.token_ids) == 4
+    finally:
+        released.set()
+        loop.stop()
 
 
 def test_health_is_unavailable_before_the_replica_serves():
