@@ -70,11 +70,30 @@ def _attend_sequence(q: torch.Tensor, view: SequenceView, cache: KVCache, layer:
         storage = (slice(start, start + length) if len(view.runs) == 1
                    else cache.index(view.blocks, view.end).to(query.device))
         keys, values = cache.keys[layer][:, storage][None], cache.values[layer][:, storage][None]
-        attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
-            enable_gqa=query.shape[1] != keys.shape[1],
-        )
+        if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+            attended = _attend_folded(query, keys, values, view.mask)
+        else:
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=None if view.mask is None else view.mask[None, None],
+                enable_gqa=query.shape[1] != keys.shape[1],
+            )
     return attended[0].transpose(0, 1).reshape(query.shape[2], -1)
+
+
+def _attend_folded(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with each kv head's query heads folded into rows: [1, heads, n, d] -> the same.
+
+    The CPU kernel in bfloat16 is slow for few query rows (a decode step: one): folded, one token
+    of a model with 3 query heads per kv head is 3 rows, and the call took a fifth of the time
+    (docs/benchmarks.md, "Measurements behind the code")."""
+    heads, n, dim = query.shape[1:]
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(1, kv_heads, groups * n, dim)  # rows: (group, token), as the heads lie
+    attended = F.scaled_dot_product_attention(
+        folded, keys, values, attn_mask=None if mask is None else mask.repeat(groups, 1)[None, None])
+    return attended.reshape(1, heads, n, dim)
 
 
 def _attend_parts(query: torch.Tensor, view: SequenceView, cache: KVCache, layer: int) -> torch.Tensor:

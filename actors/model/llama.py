@@ -51,15 +51,17 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     the same for 1 to 16 rows, well above what the weights' memory traffic allows. Measured instead:
     `(W @ x.T).T` reads the weights at memory speed for 2 to 4 rows (1 row takes a slower
     matrix-vector path, and 3 rows one slower than 4, so odd counts get a zero row), and oneDNN's
-    linear is fastest past 4 rows. This is what makes a verification pass of many tokens cost little
-    more than one decode step. oneDNN only gets contiguous weights: on a strided one (a
-    tensor-parallel column slice) it takes a far slower reference path. On CUDA, plain F.linear.
+    linear is fastest past 4 rows (in bfloat16 at every row count). This is what makes a
+    verification pass of many tokens cost little more than one decode step. oneDNN only gets
+    contiguous weights: on a strided one (a tensor-parallel column slice) it takes a far slower
+    reference path. On CUDA, plain F.linear.
     Figures: docs/benchmarks.md, "Measurements behind the code".
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows > SMALL_ROWS and ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES and weight.is_contiguous():
+    onednn = ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES and weight.is_contiguous()
+    if onednn and (rows > SMALL_ROWS or x.dtype != torch.float32):
         return ONEDNN_LINEAR(x.contiguous(), weight, bias)
     if rows % 2:  # an odd row count takes a slower path (1 row: matrix-vector; 3 rows: dearer than 4)
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])

@@ -62,3 +62,28 @@ def test_long_runs_attend_in_place_and_short_ones_gathered_agree(monkeypatch):
     torch.testing.assert_close(got, want)
     view = PackedBatch([segment], torch.device("cpu"), cache).sequences[0]
     assert [type(storage).__name__ for storage, _ in attention._parts(view, torch.float64, 2)] == ["slice", "slice", "Tensor"]
+
+
+def test_bfloat16_sequences_attend_with_heads_folded_as_float64_does():
+    """A bfloat16 one-run sequence takes the folded call (query heads of a kv head as rows): it must
+    attend as the float64 padded path does, masked (a tree) or not (a decode step), to bf16's precision."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 6, 2, 16
+    exact = KVCache(1, 8, 4, 32, kv_heads, head_dim, dtype=torch.float64)
+    exact.keys.normal_()
+    exact.values.normal_()
+    low = KVCache(1, 8, 4, 32, kv_heads, head_dim, dtype=torch.bfloat16)
+    low.keys.copy_(exact.keys)
+    low.values.copy_(exact.values)
+    tree = torch.ones(3, 10 + 3, dtype=torch.bool)
+    tree[1, 10] = tree[2, 11] = False
+    tree[0, 11:] = False
+    segments = [Segment([0, 1, 2], 9, 1), Segment([4, 5, 6, 7], 10, 3, tree, prefix=10)]
+    q = torch.randn(4, heads, head_dim, dtype=torch.float64)
+    padded = PackedBatch(segments, torch.device("cpu"), exact)
+    padded.per_sequence = False
+    want = SdpaBackend().attend(q, padded, exact, 0)
+    batch = PackedBatch(segments, torch.device("cpu"), low)
+    assert batch.per_sequence and all(len(view.runs) == 1 for view in batch.sequences)
+    got = SdpaBackend().attend(q.to(torch.bfloat16), batch, low, 0)
+    torch.testing.assert_close(got.double(), want, rtol=0.02, atol=0.02)
