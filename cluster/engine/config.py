@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import torch
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.model.config import DecoderConfig
 from actors.model.kv_cache import KVCache
@@ -91,6 +91,14 @@ class SchedulerConfig(BaseModel):
         30.0, gt=0, description="after a failed rebuild of the target, how long new requests are refused "
         "(with a retryable error) before the next try")
 
+
+    @model_validator(mode="after")
+    def _every_decoding_request_fits_a_pass(self) -> SchedulerConfig:
+        """A pass counts one token a decoding request at least (vLLM refuses the same)."""
+        if self.max_num_batched_tokens < self.max_sequences:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_sequences "
+                             f"({self.max_sequences}): every decoding request takes a token of each pass")
+        return self
 
     @field_validator("block_size")
     @classmethod

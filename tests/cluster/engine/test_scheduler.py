@@ -206,3 +206,8 @@ def test_a_start_error_that_is_no_refusal_is_a_target_fault(tiny_model):
     outputs = engine.generate([GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=4) for i in range(3)])
     assert [o.finish_reason for o in outputs] == ["error", "error", "length"]
     assert all(TARGET_FAILED in o.error for o in outputs[:2]) and rebuilds == [1]
+
+
+def test_a_cap_below_the_decoding_requests_is_refused_naming_both_fields():
+    with pytest.raises(ValueError, match="max_num_batched_tokens .*max_sequences"):
+        SchedulerConfig(max_sequences=32, max_num_batched_tokens=16)
