@@ -354,7 +354,7 @@ class _IdTokenizer:
 
 def paged_cache(ctx: Context) -> dict:
     """The paged KV cache on the device, as served: requests sharing a long prompt prefix, a cache
-    with room for one and a half of them (requests wait for blocks, find the prefix cached, are preempted and
+    with room for one and a quarter of them (requests wait for blocks, find the prefix cached, are preempted and
     resumed), prompts prefilled in chunks beside running streams, prompt lookup trees verified in
     scratch blocks. Greedy outputs must equal those of a cache with room for all, whole prompts and no
     prefix caching. Run in float32 so that a batch's different composition cannot flip a near-tie.
@@ -376,7 +376,7 @@ def paged_cache(ctx: Context) -> dict:
     settings = {
         "roomy": {"kv_cache_bytes": len(prompts) * max_len * position, "prefill_chunk_tokens": None,
                   "enable_prefix_caching": False},
-        "tight": {"kv_cache_bytes": 3 * max_len // 2 * position, "prefill_chunk_tokens": 16, "enable_prefix_caching": True},
+        "tight": {"kv_cache_bytes": 5 * max_len // 4 * position, "prefill_chunk_tokens": 16, "enable_prefix_caching": True},
     }
     results, tokens = {}, {}
     for label, cache in settings.items():
