@@ -5,8 +5,8 @@ block table. Three rules shape it:
 - Contiguity. A sequence grows into the block right after its last one when that is free (or, in
   a pool with no free block left, cached but held by nobody), and a sequence starting (or a grown
   one whose neighbour is taken) starts its blocks centred in the largest free gap, leaving room on
-  both sides. So most sequences stay a single run of adjacent blocks,
-  which CPU attention reads as one view (attention.py).
+  both sides. So most sequences stay a single run of adjacent blocks, which CPU attention reads as
+  one view (attention.py).
 - Prefix caching. A full block can be registered under a content hash (chained over every token
   before it and a cache scope); a block that no sequence holds any more stays cached, evicted least
   recently used only when no truly free block is left.

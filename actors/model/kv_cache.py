@@ -100,9 +100,8 @@ class KVCache:
         if not sources:
             return
         device, size = self.keys.device, self.block_size
-        offsets = torch.arange(size)
-        source = (torch.tensor(list(sources))[:, None] * size + offsets).flatten().to(device)
-        destination = (torch.tensor(list(destinations))[:, None] * size + offsets).flatten().to(device)
+        source = self.index(sources, len(sources) * size).to(device)
+        destination = self.index(destinations, len(destinations) * size).to(device)
         for store in (self.keys, self.values):
             store.index_copy_(2, destination, store.index_select(2, source))
 

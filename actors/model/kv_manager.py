@@ -106,8 +106,8 @@ class KVCacheManager:
         With `copy_hits` the sequence stays one run of adjacent blocks: a cached block's K/V is copied
         into a block of its own (one it reserved, or, when the caller's fit policy says the pool has
         `room_to_copy` all of `tokens`, a free one next to its last: a copy never evicts a cached
-        prefix) instead of being held. Otherwise
-        the cached block is held, and a reserved block it replaces is given back."""
+        prefix) instead of being held. Otherwise the cached block is held, and a reserved block it
+        replaces is given back."""
         state = self._sequences[seq_id]
         size = self.cache.block_size
         if state.length != len(state.keys) * size:
