@@ -36,13 +36,14 @@ class _SequenceBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, cache: KVCache, prefix_caching: bool = False, copy_hits: bool = False):
-        """`copy_hits`: keep each sequence a single run of adjacent blocks (see `reuse_prefix`), for
-        attention that reads a run as one view (a CPU's, attention.py): there a prefix held in other
-        blocks splits every later pass's attention of the sequence in two parts and a merge."""
+    def __init__(self, cache: KVCache, prefix_caching: bool = False, keep_runs: bool = False):
+        """`keep_runs`: keep each sequence a single run of adjacent blocks, for attention that reads a
+        run as one view (a CPU's, attention.py), where a sequence in several runs is attended in parts
+        and merged: prefix hits are copied (see `reuse_prefix`) and the pool places blocks for runs
+        before cached prefixes (BlockPool.keep_runs)."""
         self.cache = cache
         self.prefix_caching = prefix_caching
-        self.copy_hits = copy_hits
+        self.keep_runs = cache.pool.keep_runs = keep_runs
         self._sequences: dict[str, _SequenceBlocks] = {}
 
     @property
@@ -103,7 +104,7 @@ class KVCacheManager:
         another with the same prefix takes the blocks the other computed instead of computing them
         again. Its own blocks there are reserved and not yet written.
 
-        With `copy_hits` the sequence stays one run of adjacent blocks: a cached block's K/V is copied
+        With `keep_runs` the sequence stays one run of adjacent blocks: a cached block's K/V is copied
         into a block of its own (one it reserved, or, when the caller's fit policy says the pool has
         `room_to_copy` all of `tokens`, a free one next to its last: a copy never evicts a cached
         prefix) instead of being held. Otherwise the cached block is held, and a reserved block it
@@ -112,14 +113,16 @@ class KVCacheManager:
         size = self.cache.block_size
         if state.length != len(state.keys) * size:
             return 0
-        before, sources, destinations = state.length, [], []
+        before, sources, destinations, hits = state.length, [], [], []
         for key in self._keys_past(state, tokens, len(tokens)):
             block = self.pool.lookup(key)  # held, so that no allocation below evicts it before it is copied
             if block is None:
                 break
+            hits.append((key, block))
+        for key, block in hits:
             index, start = len(state.keys), state.length
             owned = index < len(state.blocks)
-            if self.copy_hits and (owned or (room_to_copy and self.pool.free)):
+            if self.keep_runs and (owned or (room_to_copy and self.pool.free)):
                 if not owned:
                     left = self.cache.blocks_for(len(tokens)) - len(state.blocks)
                     state.blocks.append(self.pool.allocate(state.blocks[-1] if state.blocks else None, left))
@@ -179,8 +182,10 @@ class KVCacheManager:
         return keys
 
     def _release_from(self, state: _SequenceBlocks, keep: int) -> None:
-        """Give back the sequence's blocks past the first `keep`."""
-        for block in state.blocks[keep:]:
+        """Give back the sequence's blocks past the first `keep`, last first: cached ones are evicted
+        in the order they are given back, and a prefix's later blocks are worth less than its first
+        (a block is found only after every block before it)."""
+        for block in reversed(state.blocks[keep:]):
             self.pool.release(block)
         del state.blocks[keep:]
 

@@ -43,7 +43,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         blocks = kv_blocks if kv_blocks is not None else -(-max_sequences * max_len // block_size)
         self.cache: KVCache = model.new_cache(blocks, max_len, block_size)
-        self.kv_manager = KVCacheManager(self.cache, prefix_caching, copy_hits=model.device.type == "cpu")
+        self.kv_manager = KVCacheManager(self.cache, prefix_caching, keep_runs=model.device.type == "cpu")
         self._scratch: dict[str, _Scratch] = {}
         self._pass = GraphedForward(model, self.cache) if cuda_graphs and model.device.type == "cuda" else model
 

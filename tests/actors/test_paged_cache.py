@@ -7,6 +7,8 @@ import torch
 
 from actors.messages import AdmitItem, Preempted, VerifyItem
 from actors.model.block_pool import BlockPool, CacheFullError
+from actors.model.kv_cache import KVCache
+from actors.model.kv_manager import KVCacheManager
 from actors.model.runner import ModelRunner
 from actors.target_worker import CacheOptions, TargetWorker
 from speculators.proposers.base import TreeInput
@@ -55,6 +57,49 @@ def test_a_full_pool_grows_a_sequence_into_the_cached_block_next_door():
     first = pool.allocate(run=3)
     assert first == 5 and pool.allocate(first) == 6 and pool.allocate(6) == 7  # not 2 and 3, the next oldest
     assert pool.allocate(7) == 2 and pool.lookup(bytes([6])) is None and pool.lookup(bytes([3])) == 3
+
+
+def test_a_pool_keeping_runs_takes_cached_blocks_for_them():
+    """A long-running CPU server: cached blocks nobody holds lie everywhere, free gaps are one block.
+    A pool keeping runs places a new run in the largest gap of blocks nobody holds and grows it next
+    door, forgetting what was cached there, instead of starting a run in every free block."""
+    pool = BlockPool(12, keep_runs=True)
+    for block in range(12):
+        assert pool.allocate(block - 1 if block else None) == block
+    for block in range(12):
+        if block % 4:
+            pool.register(block, bytes([block]))
+        if block not in (4, 5):
+            pool.release(block)  # free: 0 and 8; cached: the rest; held: 4 and 5
+    first = pool.allocate(run=4)
+    assert first == 7  # centred in 6..11, the largest gap nobody holds, though 0 and 8 are free
+    assert [pool.allocate(b) for b in (7, 8, 9)] == [8, 9, 10]  # next door: free or cached
+    assert pool.lookup(bytes([7])) is None and pool.lookup(bytes([1])) == 1
+    assert pool.allocate(run=1) == 0  # a free gap that holds the run comes first
+
+
+def test_a_pool_not_keeping_runs_takes_free_blocks_before_cached_ones():
+    pool = BlockPool(6)
+    for block in range(6):
+        assert pool.allocate(block - 1 if block else None) == block
+        if block != 4:
+            pool.register(block, bytes([block]))
+        pool.release(block)  # free: 4; cached: the rest, nobody holding them
+    assert pool.allocate(2) == 4 and pool.lookup(bytes([3])) == 3  # not 3, next door
+
+
+def test_a_finished_sequence_is_forgotten_from_its_last_block():
+    """Blocks go back last first, so eviction (least recently given back first, where the pool does
+    not keep runs: a GPU's) takes a prefix's tail before its head, which every longer hit needs."""
+    manager = KVCacheManager(KVCache(1, 4, 4, 64, 1, 2), prefix_caching=True)
+    manager.add("a", "t")
+    manager.allocate("a", 12)
+    manager.commit("a", list(range(1, 13)))  # three full blocks, registered
+    manager.remove("a")
+    manager.add("b", "u")
+    manager.allocate("b", 5)  # two blocks: the free one, then a's last
+    manager.add("c", "t")
+    assert manager.reuse_prefix("c", list(range(1, 13))) == 8
 
 
 def test_fragmented_sequences_attend_like_the_model_alone(tiny_model):
@@ -150,8 +195,10 @@ def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
     in_scope = AdmitItem(request_id="c", tokens=list(range(1, 15)), sampling=GREEDY, cache_scope="t")
     again = worker.start([in_scope])  # a's prompt prefix: one new block for it
     assert again.refused == [] and again.cached_tokens == {"c": 12}
-    trees = [VerifyItem(s, DraftTree([t] + [5] * 6, chain_parents(7))) for s, t in (("a", 13), ("b", 33), ("c", 14))]
-    results = worker.verify(trees).results  # 5 more blocks wanted, 1 free: c, then b, give theirs up
+    trees = [VerifyItem(s, DraftTree([t] + [5] * n, chain_parents(n + 1))) for s, t, n in (("a", 13, 3), ("b", 33, 6), ("c", 14, 6))]
+    # 4 more blocks wanted, 1 free: c, then b, give theirs up; a grows by one block, c's (into b's
+    # first, next door, b's prefix would be gone: on a CPU a run comes before a cached prefix)
+    results = worker.verify(trees).results
     assert isinstance(results[1], Preempted) and isinstance(results[2], Preempted) and len(results[0].new_tokens) >= 1
     assert not worker.runner.has("b") and not worker.runner.has("c")
     resumed = worker.start([AdmitItem(request_id="b", tokens=list(range(21, 34)), sampling=GREEDY, cache_scope="t")])
