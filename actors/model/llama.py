@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from actors.model.attention import AttentionBackend, get_backend
 from actors.model.batch import PackedBatch, Segment
@@ -22,18 +23,37 @@ from actors.model.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from actors.model.sharding import Communicator, ShardPlan
 from actors.model.split_attention import SplitBackend
 
-SMALL_ROWS = 4
-"""Up to this many rows, a CPU product runs as `(W @ x.T).T` (see `project`)."""
+SMALL_ROWS = 2
+"""Up to this many rows a float32 CPU product runs as `(W @ x.T).T` (see `project`)."""
 
 
 def _onednn_linear() -> Callable | None:
-    """oneDNN's linear on plain (not prepacked) tensors, when this torch build has it."""
+    """oneDNN's linear, when this torch build has it."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
     return None if op is None else lambda x, weight, bias: op(x, weight, bias, "none", [], "")
 
 
 ONEDNN_LINEAR = _onednn_linear()
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
+PACK_ROWS_HINT = 16
+"""The row count oneDNN blocks a packed weight for; measured as fast as a count's own packing from
+3 to 256 rows, and no slower at one."""
+_packed_weights = WeakIdKeyDictionary()
+"""weight -> (its version when packed, oneDNN's packed copy): made on first use, again after an
+in-place change (a load, a test setting weights)."""
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed (blocked) copy of a contiguous CPU weight: with it a pass of 16 sequences x
+    1 token took 0.70 of the time in float32 and 0.86 in bfloat16, and a one-token pass in bfloat16
+    0.66, where unpacked oneDNN takes a slow path (docs/benchmarks.md, "Measurements behind the
+    code"). The copy doubles the weights' memory on a CPU."""
+    entry = _packed_weights.get(weight)
+    if entry is None or entry[0] != weight._version:
+        entry = (weight._version, ONEDNN_PACK(weight.detach(), PACK_ROWS_HINT))
+        _packed_weights[weight] = entry
+    return entry[1]
 
 
 class Projection(nn.Linear):
@@ -47,22 +67,23 @@ class Projection(nn.Linear):
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x [rows, in], the fastest way for the device.
 
-    On a CPU, for the default target's projections (2 cores, AVX-512, MKL), F.linear costs about
-    the same for 1 to 16 rows, well above what the weights' memory traffic allows. Measured instead:
-    `(W @ x.T).T` reads the weights at memory speed for 2 to 4 rows (1 row takes a slower
-    matrix-vector path, and 3 rows one slower than 4, so odd counts get a zero row), and oneDNN's
-    linear is fastest past 4 rows (in bfloat16 at every row count). This is what makes a
-    verification pass of many tokens cost little more than one decode step. oneDNN only gets
-    contiguous weights: on a strided one (a tensor-parallel column slice) it takes a far slower
-    reference path. On CUDA, plain F.linear.
+    On a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
+    oneDNN's linear over a packed copy of the weight (`packed_weight`) in bfloat16 at every row
+    count and in float32 past `SMALL_ROWS` rows; up to there, `(W @ x.T).T`, which reads float32
+    weights at memory speed for 2 rows (1 row takes a slower matrix-vector path, so it gets a zero
+    row). F.linear costs about the same for 1 to 16 rows, well above what the weights' memory
+    traffic allows. oneDNN only gets contiguous weights: on a strided one (a tensor-parallel column
+    slice) it takes a far slower reference path. On CUDA, plain F.linear.
     Figures: docs/benchmarks.md, "Measurements behind the code".
     """
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    onednn = ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES and weight.is_contiguous()
-    if onednn and (rows > SMALL_ROWS or x.dtype != torch.float32):
-        return ONEDNN_LINEAR(x.contiguous(), weight, bias)
+    packs = ONEDNN_PACK is not None and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    if packs and (rows > SMALL_ROWS or x.dtype != torch.float32):
+        return ONEDNN_LINEAR(x.contiguous(), packed_weight(weight), bias)
+    if rows > SMALL_ROWS:
+        return F.linear(x, weight, bias)
     if rows % 2:  # an odd row count takes a slower path (1 row: matrix-vector; 3 rows: dearer than 4)
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])
     # MKL's fast path wants x.T column-major, i.e. x row-major; so is the output, for what follows
