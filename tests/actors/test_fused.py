@@ -62,3 +62,22 @@ def test_weights_assigned_after_loading_are_the_ones_used():
     after = logits(loaded, ids)
     assert not torch.allclose(after, before)
     torch.testing.assert_close(after, logits(reference, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype):
+    """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T);
+    every one is the same product, and a weight changed in place is packed again."""
+    from actors.model.llama import project
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    for rows in (1, 2, 3, 5, 16, 40):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        exact = x.double() @ weight.double().t()
+        assert (project(x, weight).double() - exact).abs().max() < tolerance * exact.abs().max()
+    x = torch.randn(16, 64, generator=generator).to(dtype)
+    weight.mul_(-1)
+    exact = x.double() @ weight.double().t()
+    assert (project(x, weight).double() - exact).abs().max() < tolerance * exact.abs().max()
