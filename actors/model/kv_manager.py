@@ -43,7 +43,7 @@ class KVCacheManager:
         before cached prefixes (BlockPool.keep_runs)."""
         self.cache = cache
         self.prefix_caching = prefix_caching
-        self.keep_runs = cache.pool.keep_runs = keep_runs
+        cache.pool.keep_runs = keep_runs
         self._sequences: dict[str, _SequenceBlocks] = {}
 
     @property
@@ -122,7 +122,7 @@ class KVCacheManager:
         for key, block in hits:
             index, start = len(state.keys), state.length
             owned = index < len(state.blocks)
-            if self.keep_runs and (owned or (room_to_copy and self.pool.free)):
+            if self.pool.keep_runs and (owned or (room_to_copy and self.pool.free)):
                 if not owned:
                     left = self.cache.blocks_for(len(tokens)) - len(state.blocks)
                     state.blocks.append(self.pool.allocate(state.blocks[-1] if state.blocks else None, left))

@@ -84,7 +84,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return ONEDNN_LINEAR(x.contiguous(), packed_weight(weight), bias)
     if rows > SMALL_ROWS:
         return F.linear(x, weight, bias)
-    if rows % 2:  # an odd row count takes a slower path (1 row: matrix-vector; 3 rows: dearer than 4)
+    if rows == 1:  # one row takes a slower matrix-vector path
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])
     # MKL's fast path wants x.T column-major, i.e. x row-major; so is the output, for what follows
     out = (weight @ x.contiguous().t()).t()[:rows].contiguous()

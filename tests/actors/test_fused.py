@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.model.fused import stack_in_place, stacked_view
-from actors.model.llama import LlamaDecoder, decoder_from_tensors
+from actors.model.llama import LlamaDecoder, decoder_from_tensors, project
 from actors.model.runner import ModelRunner
 from speculators.proposers.base import TreeInput
 from speculators.tree import chain_parents
@@ -68,8 +68,6 @@ def test_weights_assigned_after_loading_are_the_ones_used():
 def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype):
     """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T);
     every one is the same product, and a weight changed in place is packed again."""
-    from actors.model.llama import project
-
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 0.1

@@ -195,7 +195,8 @@ def test_the_worker_admits_what_fits_and_preempts_the_newest(tiny_model):
     in_scope = AdmitItem(request_id="c", tokens=list(range(1, 15)), sampling=GREEDY, cache_scope="t")
     again = worker.start([in_scope])  # a's prompt prefix: one new block for it
     assert again.refused == [] and again.cached_tokens == {"c": 12}
-    trees = [VerifyItem(s, DraftTree([t] + [5] * n, chain_parents(n + 1))) for s, t, n in (("a", 13, 3), ("b", 33, 6), ("c", 14, 6))]
+    trees = [VerifyItem(s, DraftTree([t] + [5] * n, chain_parents(n + 1)))
+             for s, t, n in (("a", 13, 3), ("b", 33, 6), ("c", 14, 6))]
     # 4 more blocks wanted, 1 free: c, then b, give theirs up; a grows by one block, c's (into b's
     # first, next door, b's prefix would be gone: on a CPU a run comes before a cached prefix)
     results = worker.verify(trees).results
