@@ -14,15 +14,21 @@ bench/gpu_check.py: outputs agree except after such near-ties.
 """
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from actors.messages import AdmitItem, VerifyItem
 from actors.model.llama import LlamaDecoder
+from actors.model.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from actors.model.runner import ModelRunner
 from actors.target_worker import TargetWorker
+from bench.specbench import DEFAULT_QUESTIONS, command_line, load_questions, machine
+from cluster.engine.build import encode_prompt
 from speculators.proposers.base import TreeInput
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree, chain_parents
@@ -127,3 +133,33 @@ def measure_agreement(target: LlamaDecoder, full_precision: LlamaDecoder, prompt
         position = next(i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b)
         agreement.divergences.append(divergence_at(target, full_precision, index, [*prompt, *plain[:position]], position))
     return agreement
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="target")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the dtype served")
+    parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    parser.add_argument("--prompts", type=int, default=24, help="first turns, one task after another")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per prompt")
+    parser.add_argument("--depth", type=int, default=4, help="tokens the oracle drafts each pass")
+    parser.add_argument("--out", type=Path, default=None, help="JSON report")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Plain against oracle-drafted decoding of real prompts in `--dtype`, every divergence priced
+    against a float64 copy of the same weights."""
+    tokenizer = load_tokenizer(args.model)
+    prompts = [encode_prompt(tokenizer, q["turns"][0], chat=True)
+               for q in load_questions(args.questions)[:args.prompts]]
+    target = load_model(args.model, getattr(torch, args.dtype))
+    full = load_model(args.model, torch.float64)
+    report = {"command": command_line(args, "bench", "greedy-agreement"), "machine": machine(), "dtype": args.dtype,
+              "new_tokens": args.new_tokens, "depth": args.depth,
+              **measure_agreement(target, full, prompts, args.new_tokens, depth=args.depth).as_dict()}
+    print(f"{report['identical']}/{report['prompts']} prompts identical over {args.new_tokens} tokens; "
+          f"every divergence at a near-tie: {report['all_at_near_ties']}")
+    for d in report["divergences"]:
+        print(f"  prompt {d['prompt']} token {d['position']}: top-2 gap {d['top2_gap']:.4f}, rounding {d['rounding']:.4f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))

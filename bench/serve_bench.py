@@ -111,14 +111,15 @@ def latency(answers: list[Answer]) -> dict:
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
 
 
+def questions_per_round(level: int) -> int:
+    return max(REQUESTS_PER_SLOT * level, MIN_REQUESTS)
+
+
 def measure_level(args: argparse.Namespace, questions: list[dict], level: int, salt: str) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    per_round = max(REQUESTS_PER_SLOT * level, MIN_REQUESTS)
+    per_round = questions_per_round(level)
     for round_index in range(args.rounds):
         chosen = questions[:per_round]
-        if len(chosen) < per_round:
-            raise SystemExit("serve-bench: too few questions left for these levels and rounds (every round needs "
-                             "questions of its own); use fewer --rounds or --concurrency levels")
         del questions[:per_round]
         for name, extra in SETTINGS.items():
             runs[name].append(run_setting(args, chosen, {**extra, "cache_salt": f"{salt}-{name}"}, level))
@@ -172,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
     salt = f"serve-bench-{uuid.uuid4().hex[:12]}"
     questions = load_questions(args.questions)[args.skip_questions:]
     levels = [int(level) for level in args.concurrency]
+    needed = WARMUP_QUESTIONS + args.rounds * sum(questions_per_round(level) for level in levels)
+    if len(questions) < needed:  # said before anything runs, not after an hour of it
+        raise SystemExit(f"serve-bench: these levels and rounds need {needed} questions (every round has its own), "
+                         f"{len(questions)} are left after --skip-questions; use fewer --rounds, --concurrency "
+                         "levels or --skip-questions")
     run_setting(args, questions[:WARMUP_QUESTIONS], {"max_tokens": 8}, WARMUP_QUESTIONS)
     del questions[:WARMUP_QUESTIONS]
     by_level = {}

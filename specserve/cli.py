@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         draft_pool_bench,
         fuzz,
         grammar_engines,
+        greedy_agreement,
         kv_bench,
         path_cost,
         ray_overhead,
@@ -188,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=defaults)
     side_by_side.add_arguments(peers)
     peers.set_defaults(func=side_by_side.run)
+    agreement = bench_sub.add_parser("greedy-agreement", help="plain against speculative greedy decoding of real "
+                                     "prompts in bfloat16: where they part, and whether only at near-ties",
+                                     formatter_class=defaults)
+    greedy_agreement.add_arguments(agreement)
+    agreement.set_defaults(func=greedy_agreement.run)
     pooled = bench_sub.add_parser("draft-pool", help="N target groups drafting from one shared drafter against one "
                                   "drafter each (fake GPUs)", formatter_class=defaults)
     draft_pool_bench.add_arguments(pooled)

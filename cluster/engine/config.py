@@ -14,6 +14,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from actors.model.config import DecoderConfig
 from actors.model.kv_cache import KVCache
 from actors.model.loader import DEFAULT_MODEL
+from actors.model.precision import resolve_dtype
 from actors.target_worker import CacheOptions
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers import prompt_lookup as pld
@@ -177,7 +178,10 @@ class EngineConfig(SchedulerConfig):
         suffix.MAX_CACHED_BYTES, ge=1 << 16, description="suffix decoding: memory of the index of earlier outputs per draft "
         "actor, all cache scopes together, in bytes as estimated from its parts (oldest outputs evicted; ~440 bytes per "
         "learned token on Spec-Bench text, so the token bound binds first at the defaults); null: the token bound alone")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and KV cache dtype")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="weights and KV cache dtype; auto: bfloat16 on a GPU and on a CPU with native "
+        "bfloat16 (AVX512-BF16 or AMX), else float32. float32 keeps speculative greedy output token for token "
+        "plain decoding's; in bfloat16 they can part at a near-tie (docs/lossless.md)")
     device: str = Field("cpu", description="torch device of the model")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads in each target shard and draft actor; null: the cores the process "
@@ -190,6 +194,13 @@ class EngineConfig(SchedulerConfig):
         "sdpa", description="attention kernel: sdpa (one masked attention over each sequence's cache) or split "
         "(the committed prefix without a mask, through vllm_flash_attn when it imports on CUDA, merged with the "
         "tree block's masked attention by log-sum-exp)")
+
+    @model_validator(mode="after")
+    def _resolve_auto_dtype(self) -> EngineConfig:
+        """auto becomes a dtype where the config is built: the actors, the cost-curve key and the
+        KV budget all read one answer."""
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        return self
 
     def drafting_width(self) -> int:
         """`draft_width`, or the method's default when it is not set."""

@@ -1,8 +1,8 @@
 """The cost curve of a target: seconds of a verification pass by tokens in the pass and sequences.
 
 Measured once per target group at start (a few shapes, the fastest of several runs each: other
-work on the machine only ever adds time) and cached on disk per model, dtype, device, parallelism
-and machine, so later starts read it. The scheduler reads it as
+work on the machine only ever adds time) and cached on disk per model, dtype, device, parallelism,
+machine and decoder code (a faster kernel makes an old curve wrong), so later starts read it. The scheduler reads it as
 T(tokens, sequences) = f(tokens) + g(sequences): f from single-sequence passes, interpolated
 linearly between measured points; g, the extra cost of spreading the tokens over more sequences
 (attention over more caches, padding), from multi-sequence passes.
@@ -17,10 +17,13 @@ import platform
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
+import actors.model
+import actors.target_worker
 from actors.model.loader import cache_root
 from actors.worker import Worker
 
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 
 TOKEN_POINTS = (1, 2, 4, 8, 16, 32, 64)
 SEQUENCE_POINTS = (2, 4, 8, 16)
+DECODER_CODE = Path(actors.model.__file__).parent
+TIMED_WORKER = Path(actors.target_worker.__file__)
 CONTEXT = 256
 REPEATS = 7
 
@@ -109,10 +114,21 @@ def curves_folder() -> Path:
 
 
 def cache_key(*parts: object) -> str:
-    """A file name for a curve: the target and everything about this machine that changes its speed."""
+    """A file name for a curve: the target and everything about this machine and this code that
+    changes its speed."""
     machine = (platform.processor() or platform.machine(), os.cpu_count(), torch.get_num_threads(), torch.__version__)
-    text = json.dumps([*map(str, parts), *map(str, machine)])
+    text = json.dumps([*map(str, parts), *map(str, machine), decoder_fingerprint()])
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@cache
+def decoder_fingerprint() -> str:
+    """A hash of the code a pass runs (the decoder package and the worker that times it): a curve
+    measured before a kernel changed is not read after."""
+    digest = hashlib.sha1()
+    for path in sorted(DECODER_CODE.glob("*.py")) + [TIMED_WORKER]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def measure(target: Worker, max_sequences: int, max_len: int, key: str | None = None,

@@ -8,6 +8,7 @@ import torch
 
 from actors.model.fused import stack_in_place, stacked_view
 from actors.model.llama import LlamaDecoder, decoder_from_tensors, project
+from actors.model.precision import cpu_has_bfloat16
 from actors.model.runner import ModelRunner
 from speculators.proposers.base import TreeInput
 from speculators.tree import chain_parents
@@ -79,3 +80,16 @@ def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_i
     weight.mul_(-1)
     exact = x.double() @ weight.double().t()
     assert (project(x, weight).double() - exact).abs().max() < tolerance * exact.abs().max()
+
+
+@pytest.mark.skipif(not cpu_has_bfloat16(), reason="no native bfloat16 on this CPU (the products differ there)")
+def test_a_bfloat16_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_pass():
+    """What bfloat16 verification needs to equal plain decoding (docs/lossless.md): a row's product
+    is bitwise the one it gets alone, at any row count and place in the pass."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(320, 576, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(40, 576, generator=generator).to(torch.bfloat16)
+    alone = project(rows[:1], weight)
+    for count in (2, 3, 5, 16, 40):
+        assert torch.equal(project(rows[:count], weight)[:1], alone)
+        assert torch.equal(project(torch.cat([rows[1:count], rows[:1]]), weight)[-1:], alone)

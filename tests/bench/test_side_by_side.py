@@ -51,3 +51,20 @@ def test_summary_compares_with_vllm_and_specserve_plain():
     report = {"by_concurrency": {"1": rows}, "machine": {"processor": "x86_64", "cpus": 2}, "date": "today",
               "config": {"max_new_tokens": 128}, "notes": {}, "command": "specserve bench side-by-side"}
     assert "| 1 | specserve | 15.0 | 1.50x |" in side_by_side.markdown(report)
+
+
+def test_the_served_benchmark_refuses_too_few_questions_before_sending_any(tmp_path, monkeypatch):
+    import argparse
+
+    import pytest
+
+    from bench import serve_bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({**q, "category": "qa"}) for q in _questions(40)))
+    sent = []
+    monkeypatch.setattr(serve_bench, "run_setting", lambda *a, **k: sent.append(a))
+    args = argparse.Namespace(model="m", questions=questions, skip_questions=0, concurrency=["4", "16"], rounds=2)
+    with pytest.raises(SystemExit, match="need 82 questions"):
+        serve_bench.run(args)
+    assert not sent

@@ -7,6 +7,7 @@ import torch
 
 from actors.model.runner import ModelRunner
 from actors.model.timing import time_passes
+from cluster.engine import cost
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
@@ -156,6 +157,19 @@ def test_measured_curves_are_cached(tiny_model, tmp_path, monkeypatch):
     assert measure(worker, 4, 256, key="tiny").to_json() == first.to_json()
     shapes, context = shapes_for(4, 256)
     assert {s for _, s in shapes} == {1, 2, 4} and context + max(t for t, _ in shapes) < 256
+
+
+def test_a_curve_measured_before_the_decoder_changed_is_not_read(tmp_path, monkeypatch):
+    """A faster kernel makes an old curve wrong: the key follows the decoder's code."""
+    (tmp_path / "llama.py").write_text("slow = True\n")
+    monkeypatch.setattr(cost, "DECODER_CODE", tmp_path)
+    cost.decoder_fingerprint.cache_clear()
+    before = cost.cache_key("smollm2-135m", "float32")
+    (tmp_path / "llama.py").write_text("slow = False\n")
+    cost.decoder_fingerprint.cache_clear()
+    assert cost.cache_key("smollm2-135m", "float32") != before
+    monkeypatch.undo()
+    cost.decoder_fingerprint.cache_clear()
 
 
 def calibrated(rates: dict[float, float]) -> Acceptance:

@@ -1,0 +1,27 @@
+"""Which dtype a model runs in when the user leaves it to us ("auto").
+
+bfloat16 halves the bytes every decode pass reads (weights and KV), and decode is memory bound; but
+a CPU without native bfloat16 dot products (AVX512-BF16 or AMX) converts on every multiply and is
+slower than float32, so only those CPUs get it. GPUs get bfloat16, as vLLM's auto gives a float32
+checkpoint on one.
+"""
+from __future__ import annotations
+
+import torch
+
+AUTO = "auto"
+
+
+def cpu_has_bfloat16() -> bool:
+    """Native bfloat16 dot products: AVX512-BF16 or AMX tiles (x86; False elsewhere)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype`, or for "auto" the fastest lossless-in-its-own-precision dtype for `device`."""
+    if dtype != AUTO:
+        return dtype
+    if torch.device(device).type == "cpu":
+        return "bfloat16" if cpu_has_bfloat16() else "float32"
+    return "bfloat16"
