@@ -75,6 +75,12 @@ class SchedulerConfig(BaseModel):
         None, ge=0, description="a fixed number of drafted tokens per step for the whole micro-batch, shared "
         "equally; null (the default) lets the planner size every request's draft from the target's measured "
         "cost curve and the acceptance it has seen (goodput-based, down to no speculation)")
+    sampling_rule: Literal["keyed", "rejection"] = Field(
+        "keyed", description="how a sampled request without a seed is verified (a seeded one is always keyed): "
+        "keyed, with noise keyed by a random seed and position, so the planner may cut its trees to what pays; or "
+        "rejection, recursive rejection sampling against the drafter's probabilities, which keeps a little more of "
+        "a sampled draft but verifies every tree whole (both lossless; measured in docs/benchmarks.md, "
+        "\"Seeded sampling\")")
     pipeline: bool = Field(
         False, description="split requests into two micro-batches so one is drafted while the other is verified")
     min_acceptance: float = Field(

@@ -114,9 +114,11 @@ class SpecEngine:
 
     def add(self, request: GenerationRequest) -> None:
         self.scheduler.add(request)
-        if not request.sampling.greedy and request.sampling.seed is None:
+        sampling = request.sampling
+        if not sampling.greedy and sampling.seed is None:
             # every tensor-parallel rank and every restarted drafter must draw the same numbers
-            request.sampling = replace(request.sampling, seed=random.getrandbits(62))
+            rule = self.config.sampling_rule if sampling.rule == "auto" else sampling.rule
+            request.sampling = replace(sampling, seed=random.getrandbits(62), rule=rule)
 
     @property
     def active(self) -> dict[str, ActiveRequest]:

@@ -145,9 +145,10 @@ def test_the_hybrid_runs_the_head_only_when_it_drafts_and_hands_it_the_rows_it_m
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa", "suffix+eagle3"])
-def test_sampled_output_with_a_head_follows_the_target(kind):
-    """Chi-square over the 64 cells of (first, second) token, 6,000 samples; the heads draft from 6
-    of the 8 tokens (FR-Spec), so the two others only come from rejections."""
+def test_rejection_sampled_output_with_a_head_follows_the_target(kind):
+    """Rejection sampling against the head's probabilities: chi-square over the 64 cells of (first,
+    second) token, 6,000 samples; the heads draft from 6 of the 8 tokens (FR-Spec), so the two
+    others only come from rejections."""
     model, reference = tiny_pair(seed=5, vocab_size=8)
     params = SamplingParams(temperature=1.0, top_k=6, seed=11)
     prompt = [1, 2, 3, 4]
@@ -158,7 +159,7 @@ def test_sampled_output_with_a_head_follows_the_target(kind):
         engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
                                                                                        kv_cache_bytes=batch * 16
                                                                * model.kv_bytes_per_position()))
-        requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
+        requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i, rule="rejection"), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]
         for output in engine.generate(requests):

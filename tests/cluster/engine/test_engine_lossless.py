@@ -254,8 +254,9 @@ def exact_two_token_distribution(reference, prompt, params) -> np.ndarray:
 
 
 @pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
-def test_sampled_output_follows_the_target(width):
-    """Chi-square over the 64 cells of (first, second) token, 6,000 samples, draft unlike the target."""
+def test_rejection_sampled_output_follows_the_target(width):
+    """Rejection sampling against the draft's probabilities: chi-square over the 64 cells of (first,
+    second) token, 6,000 samples, draft unlike the target."""
     model, reference = tiny_pair(seed=5, vocab_size=8)
     params = SamplingParams(temperature=1.0, top_k=6, seed=11)
     prompt = [1, 2, 3, 4]
@@ -267,7 +268,7 @@ def test_sampled_output_follows_the_target(width):
         engine = local_engine(model, IdTokenizer(), proposer, SchedulerConfig(max_sequences=batch, max_len=16,
                                                                                        kv_cache_bytes=batch * 16
                                                                * model.kv_bytes_per_position()))
-        requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i), 2,
+        requests = [GenerationRequest(f"r{start + i}", prompt, SamplingParams(1.0, 6, 1.0, seed=start + i, rule="rejection"), 2,
                                       lookahead=LookaheadConfig(policy="fixed", max_tokens=3))
                     for i in range(batch)]
         for output in engine.generate(requests):

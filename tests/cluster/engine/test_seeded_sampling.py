@@ -124,3 +124,30 @@ def test_n_samples_seeded_apart_differ_and_each_reproduces(tiny_model):
     first, second = tokens(generate(model, None, pair))
     assert first != second
     assert tokens(generate(model, drafter("suffix", model, None), [seeded()[1]])) == [second]
+
+
+@pytest.mark.parametrize("rule", ["keyed", "rejection"])
+def test_an_unseeded_request_is_verified_by_the_configured_rule(tiny_model, tiny_heads, rule):
+    """A sampled request without a seed gets a random one (every rank and drafter draws alike) and
+    `sampling_rule`'s rule: under rejection sampling its drafter sends the probabilities it drew from,
+    under the keyed rule none. A seeded request is keyed whatever the setting."""
+    model, _ = tiny_model
+    proposer = drafter("eagle3-tree", model, tiny_heads)
+    trees, propose = [], proposer.propose
+
+    def recording(requests):
+        drafted = propose(requests)
+        trees.extend(tree for tree in drafted if tree.num_drafted > 0)
+        return drafted
+
+    proposer.propose = recording
+    config = SchedulerConfig(max_sequences=4, max_len=256, max_tree_nodes=32, sampling_rule=rule)
+    engine = local_engine(model, IdTokenizer(), proposer, config)
+    unseeded = GenerationRequest("u", PROMPTS[0], SamplingParams(0.7), NEW_TOKENS, lookahead=FIXED)
+    [output] = engine.generate([unseeded])
+    assert len(output.token_ids) == NEW_TOKENS and trees
+    assert unseeded.sampling.seed is not None and unseeded.sampling.rule == rule
+    assert all((tree.draft_probs is not None) == (rule == "rejection") for tree in trees)
+    [keyed] = seeded()[:1]
+    local_engine(model, IdTokenizer(), None, config).generate([keyed])
+    assert keyed.sampling.keyed
