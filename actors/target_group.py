@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on Python 3.10
 from dataclasses import replace
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from actors.draft_worker import DraftWorker
+from actors.draft_worker import DraftReply, DraftWorker
 from actors.messages import Admission, AdmitItem, VerifyItem, VerifyReply
 from actors.model.distributed import TorchDistributedComm, bind_device, init_process_group
 from actors.model.llama import LlamaDecoder
@@ -24,8 +24,8 @@ from actors.model.loader import load_config, load_model, resolve_model
 from actors.model.sharding import Communicator, ShardPlan
 from actors.model.threads import use_cores
 from actors.target_worker import CacheOptions, TargetWorker
-from speculators.hidden import PendingHidden
-from speculators.proposers.base import Proposer
+from speculators.hidden import PendingHidden, TargetHidden
+from speculators.proposers.base import DraftRequest, Proposer
 from speculators.verify import VerifyResult
 
 
@@ -118,7 +118,7 @@ class TargetShard:
     def finish(self, seq_id: str) -> None:
         self.worker.finish(seq_id)
         if self.drafter is not None:
-            self.drafter.pending.drop(seq_id)
+            self.drafter.drop(seq_id)
 
     def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
         return self.worker.time_passes(shapes, context, repeats)
@@ -135,10 +135,14 @@ class ColocatedDrafter:
     """A drafter living in its target shard's process (one-GPU deployments): it shares the target's
     weights (a head's embedding and LM head), and the hidden states it reads stay in the process,
     kept here from prefill and verification until the request's next propose call instead of
-    travelling to the engine and back."""
+    travelling to the engine and back. As in the engine (speculators/hidden.py), a request left out
+    of the draft call before a verification keeps only its last rows, and rows a propose call took
+    but the drafter did not use (the call raised, or the drafter did not know the request) go back."""
 
     def __init__(self, worker: DraftWorker):
         self.worker, self.pending = worker, PendingHidden()
+        self._drafted: set[str] = set()
+        """Requests in a propose call since their last verification."""
 
     def hidden_spec(self) -> tuple[tuple[int, ...], str]:
         return self.worker.hidden_spec()
@@ -148,6 +152,9 @@ class ColocatedDrafter:
             self.pending.add(seq_id, 0, rows)
 
     def keep_verified(self, batch: Sequence[VerifyItem], reply: VerifyReply, runner) -> None:
+        verified = [item.request_id for item in batch]
+        self.pending.idle([request_id for request_id in verified if request_id not in self._drafted])
+        self._drafted.difference_update(verified)
         for item, result in zip(batch, reply.results):
             if isinstance(result, VerifyResult) and result.hidden is not None:
                 root = runner.committed_length(item.request_id) - len(result.accepted_nodes)
@@ -160,8 +167,28 @@ class ColocatedDrafter:
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "propose":
-            args = ([replace(r, hidden=self.pending.take(r.request_id)) for r in args[0]],)
+            return self._propose(args[0])
         return getattr(self.worker, method)(*args)
+
+    def drop(self, request_id: str) -> None:
+        self.pending.drop(request_id)
+        self._drafted.discard(request_id)
+
+    def _propose(self, requests: Sequence[DraftRequest]) -> DraftReply:
+        taken = {r.request_id: self.pending.take(r.request_id) for r in requests}
+        self._drafted.update(taken)
+        try:
+            reply = self.worker.propose([replace(r, hidden=taken[r.request_id]) for r in requests])
+        except Exception:
+            self._put_back(taken, taken)
+            raise
+        self._put_back(taken, reply.unknown)
+        return reply
+
+    def _put_back(self, taken: dict[str, TargetHidden | None], request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            if taken[request_id] is not None:
+                self.pending.put_back(request_id, taken[request_id])
 
 
 class TargetGroup:
