@@ -6,10 +6,14 @@ prompts drawn with a fixed seed from Spec-Bench; even-numbered clients speak gRP
 back), odd ones HTTP server-sent events (text comes back). Optionally a draft actor and a target shard
 are killed (SIGKILL to their processes, found through Ray's actor table) at given times.
 
+With `--tenants N` the app is served with N API keys, each naming a tenant of its own (a keys
+file), and the clients take them in turn; each answer's cached prompt tokens (gRPC stats, HTTP
+usage) must be explained by prompts its own tenant sent before it: more is a cross-tenant hit.
+
 Every answer is compared with the target's plain greedy decoding of the same prompt, computed in
 this process before the run. The report (JSON): completed, errors_by_kind, lost (no answer within
-`--request-timeout-s`, or a stream that ended without a finish), mismatched, p50/p99 time to first
-token and inter-token latency, aggregate tokens/s.
+`--request-timeout-s`, or a stream that ended without a finish), mismatched, cross-tenant cache
+hits, p50/p99 time to first token and inter-token latency, aggregate tokens/s.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use an app already running on 127.0.0.1 (--grpc-port, --http-port) instead of starting one")
     parser.add_argument("--grpc-port", type=int, default=9000)
     parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="key for a running app that requires one")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="key for a running app that requires one; with --tenants N and --target, N keys "
+                        "(repeat the option), one a tenant")
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="tenants (API keys naming a tenant each) the clients take in turn; over 1, the app "
+                        "started here serves a keys file of that many")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="a request not finished by then is lost")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default bench/results/soak-<time>.json)")
 
@@ -64,6 +74,9 @@ class Outcome:
     protocol: str
     prompt: int
     started: float
+    tenant: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens the prefix cache held for it, as the server reported them."""
     first_token_s: float | None = None
     gaps: list[float] = field(default_factory=list)
     """Seconds between streamed tokens (a chunk's gap shared by its tokens; HTTP chunks count as one)."""
@@ -107,6 +120,7 @@ def grpc_request(stub, prompt: Prompt, outcome: Outcome, max_new_tokens: int, ti
             outcome.text += chunk.text
             if chunk.finish_reason:
                 outcome.finish_reason = chunk.finish_reason
+                outcome.cached_tokens = chunk.stats.cached_prompt_tokens
     except grpc.RpcError as error:
         outcome.error = "lost" if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else f"grpc:{error.code().name}"
 
@@ -114,7 +128,7 @@ def grpc_request(stub, prompt: Prompt, outcome: Outcome, max_new_tokens: int, ti
 def http_request(port: int, prompt: Prompt, outcome: Outcome, max_new_tokens: int, timeout_s: float,
                  api_key: str | None) -> None:
     body = {"messages": [{"role": "user", "content": prompt.text}], "max_tokens": max_new_tokens,
-            "temperature": 0, "seed": outcome.client, "stream": True}
+            "temperature": 0, "seed": outcome.client, "stream": True, "stream_options": {"include_usage": True}}
     last = outcome.started
     try:
         for now, event in stream_chat(f"http://127.0.0.1:{port}", body, api_key, timeout_s):
@@ -124,6 +138,8 @@ def http_request(port: int, prompt: Prompt, outcome: Outcome, max_new_tokens: in
             last = now if text else last
             outcome.text += text
             outcome.finish_reason = choices[0].get("finish_reason") or outcome.finish_reason
+            if event.get("usage"):
+                outcome.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except StreamFailed as error:
         outcome.error = error.kind
     except TimeoutError:
@@ -183,14 +199,34 @@ def kill_actor(class_name: str) -> dict:
     return {"actor": class_name, "killed": True, "pid": victim["Pid"]}
 
 
-def run_clients(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[Outcome], list[dict], float]:
+def tenant_keys(args: argparse.Namespace, app_args: dict, folder: Path) -> list[str | None]:
+    """The key each tenant presents. With more than one tenant and an app started here, its limits
+    get a keys file naming a tenant per key (written to `folder`)."""
+    keys = args.api_key or [None]
+    if args.tenants == 1:
+        return keys[:1]
+    if args.target:
+        if len(keys) != args.tenants:
+            raise SystemExit(f"--tenants {args.tenants} with --target needs {args.tenants} --api-key options")
+        return keys
+    keys = [f"soak-key-{tenant}" for tenant in range(args.tenants)]
+    keys_file = folder / "api-keys.json"
+    keys_file.write_text(json.dumps({key: f"tenant-{tenant}" for tenant, key in enumerate(keys)}))
+    limits = app_args.setdefault("limits", {})
+    for field_name in ("api_key", "api_key_env", "api_key_file"):
+        limits.pop(field_name, None)
+    limits["api_keys_file"] = str(keys_file)
+    return keys
+
+
+def run_clients(args: argparse.Namespace, prompts: list[Prompt], keys: list[str | None]
+                ) -> tuple[list[Outcome], list[dict], float]:
     import grpc
 
     from protos import specserve_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}")
     stub = specserve_pb2_grpc.SpecServeStub(channel)
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     began = time.perf_counter()
@@ -199,16 +235,18 @@ def run_clients(args: argparse.Namespace, prompts: list[Prompt]) -> tuple[list[O
     def client(index: int) -> None:
         rng = random.Random(args.seed * 1000 + index)
         protocol = "grpc" if index % 2 == 0 else "http"
+        tenant = index // 2 % len(keys)  # every tenant speaks both protocols
+        key = keys[tenant]
+        metadata = [("authorization", f"Bearer {key}")] if key else None
         while time.perf_counter() < stop_at:
             which = rng.randrange(len(prompts))
-            outcome = Outcome(client=index, protocol=protocol, prompt=which, started=time.perf_counter())
+            outcome = Outcome(client=index, protocol=protocol, prompt=which, started=time.perf_counter(), tenant=tenant)
             with lock:
                 outcomes.append(outcome)
             if protocol == "grpc":
                 grpc_request(stub, prompts[which], outcome, args.max_new_tokens, args.request_timeout_s, metadata)
             else:
-                http_request(args.http_port, prompts[which], outcome, args.max_new_tokens, args.request_timeout_s,
-                             args.api_key)
+                http_request(args.http_port, prompts[which], outcome, args.max_new_tokens, args.request_timeout_s, key)
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(args.clients)]
     for thread in threads:
@@ -246,6 +284,27 @@ def judge(outcome: Outcome, prompt: Prompt) -> str:
     return "completed" if right else "mismatched"
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def cross_tenant_hits(outcomes: list[Outcome], prompts: list[Prompt]) -> list[dict]:
+    """Answers whose cached prompt tokens exceed the longest prefix their prompt shares with a prompt
+    of their own tenant sent before their first token: a cache hit only another tenant explains."""
+    hits = []
+    for outcome in outcomes:
+        if not outcome.cached_tokens:
+            continue
+        seen_by = outcome.started + (outcome.first_token_s or float("inf"))
+        own = max((common_prefix(prompts[o.prompt].token_ids, prompts[outcome.prompt].token_ids)
+                   for o in outcomes if o is not outcome and o.tenant == outcome.tenant and o.started < seen_by),
+                  default=0)
+        if outcome.cached_tokens > own:
+            hits.append({"tenant": outcome.tenant, "question_id": prompts[outcome.prompt].question_id,
+                         "cached_tokens": outcome.cached_tokens, "own_tenant_prefix": own})
+    return hits
+
+
 def summarize(outcomes: list[Outcome], prompts: list[Prompt], seconds: float) -> dict:
     verdicts = [judge(o, prompts[o.prompt]) for o in outcomes]
     errors: dict[str, int] = {}
@@ -253,6 +312,7 @@ def summarize(outcomes: list[Outcome], prompts: list[Prompt], seconds: float) ->
         if verdict not in ("completed", "mismatched", "lost"):
             errors[verdict] = errors.get(verdict, 0) + 1
     done = [o for o, v in zip(outcomes, verdicts) if v in ("completed", "mismatched")]
+    hits = cross_tenant_hits(outcomes, prompts)
     return {
         "requests": len(outcomes),
         "completed": verdicts.count("completed"),
@@ -264,6 +324,11 @@ def summarize(outcomes: list[Outcome], prompts: list[Prompt], seconds: float) ->
                                 for o, v in zip(outcomes, verdicts) if v == "mismatched"][:10],
         "by_protocol": {p: sum(1 for o, v in zip(outcomes, verdicts) if o.protocol == p and v == "completed")
                         for p in ("grpc", "http")},
+        "by_tenant": {str(t): {"completed": sum(1 for o, v in zip(outcomes, verdicts) if o.tenant == t and v == "completed"),
+                               "cached_tokens": sum(o.cached_tokens or 0 for o in outcomes if o.tenant == t)}
+                      for t in sorted({o.tenant for o in outcomes})},
+        "cross_tenant_cache_hits": len(hits),
+        "cross_tenant_examples": hits[:10],
         "time_to_first_token_s": {"p50": percentile([o.first_token_s for o in done], 0.5),
                                   "p99": percentile([o.first_token_s for o in done], 0.99)},
         "inter_token_latency_s": {"p50": percentile([g for o in done for g in o.gaps], 0.5),
@@ -287,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     model = app_args.get("cluster", {}).get("engine", {}).get("model", "smollm2-135m")
     print(f"[soak] plain greedy references for {args.prompts} prompts ...", flush=True)
     prompts = reference_prompts(args, model)
+    keys = tenant_keys(args, app_args, Path(tempfile.mkdtemp(prefix="soak-keys-")))
     if not args.target:
         print("[soak] starting the app ...", flush=True)
         start_app(args, app_args)
@@ -295,14 +361,15 @@ def run(args: argparse.Namespace) -> int:
 
         ray.init(address="auto")  # the running app's Ray cluster, to find the actors to kill
     print(f"[soak] {args.clients} clients for {args.duration:.0f} s", flush=True)
-    outcomes, kills, seconds = run_clients(args, prompts)
+    outcomes, kills, seconds = run_clients(args, prompts, keys)
     report = {
         "command": command_line(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "api_key"}))
         .replace("specserve bench specbench", "specserve soak", 1),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "config": {"clients": args.clients, "duration_s": args.duration, "max_new_tokens": args.max_new_tokens,
-                   "prompts": args.prompts, "seed": args.seed, "app_args": _without_key(app_args)},
+                   "prompts": args.prompts, "seed": args.seed, "tenants": len(keys),
+                   "app_args": _without_key(app_args)},
         "kills": kills,
         "summary": summarize(outcomes, prompts, seconds),
     }
@@ -312,4 +379,5 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(report["summary"], indent=2))
     print(f"[soak] report: {out}")
     summary = report["summary"]
-    return 0 if summary["lost"] == 0 and summary["mismatched"] == 0 and summary["errors_all_retryable"] else 1
+    clean = summary["lost"] == 0 and summary["mismatched"] == 0 and summary["cross_tenant_cache_hits"] == 0
+    return 0 if clean and summary["errors_all_retryable"] else 1

@@ -1,5 +1,6 @@
-"""How the soak test judges each answer: right, wrong, lost, or an error of some kind."""
-from bench.soak import Outcome, Prompt, summarize
+"""How the soak test judges each answer: right, wrong, lost, an error of some kind, or a cache hit
+only another tenant explains."""
+from bench.soak import Outcome, Prompt, cross_tenant_hits, summarize
 
 PROMPT = Prompt(1, "q", [1, 2], expected_ids=[5, 6, 7], expected_text=" five six seven")
 
@@ -38,3 +39,35 @@ def test_a_literal_api_key_never_reaches_the_report():
     args = {"cluster": {}, "limits": {"api_key": "k3y", "max_new_tokens": 8}}
     assert "k3y" not in str(_without_key(args)) and _without_key(args)["limits"]["max_new_tokens"] == 8
     assert _without_key({"limits": {"api_key": None}}) == {"limits": {"api_key": None}}
+
+
+def test_cached_tokens_only_another_tenant_explains_are_flagged():
+    """Tenant 0 sent the long prompt first; tenant 1's copy of it may reuse only what tenant 1 sent
+    before its first token (the short prompt's two tokens, then the long one), tenant 0's second
+    copy all of it."""
+    prompts = [Prompt(1, "long", [1, 2, 3, 4, 5], [9], "x"), Prompt(2, "short", [1, 2, 7], [9], "x")]
+
+    def sent(tenant, prompt, started, cached):
+        return Outcome(client=tenant, protocol="grpc", prompt=prompt, started=started, first_token_s=0.5,
+                       tenant=tenant, cached_tokens=cached)
+
+    outcomes = [sent(0, 0, 0.0, 0), sent(1, 1, 1.0, 0), sent(0, 0, 2.0, 4), sent(1, 0, 3.0, 2), sent(1, 0, 4.0, 4)]
+    assert cross_tenant_hits(outcomes, prompts) == []
+    outcomes.append(sent(1, 0, 0.2, 4))  # before tenant 1 sent anything: only tenant 0's cache holds it
+    assert cross_tenant_hits(outcomes, prompts) == [{"tenant": 1, "question_id": 1, "cached_tokens": 4,
+                                                     "own_tenant_prefix": 0}]
+    assert summarize(outcomes, prompts, seconds=1.0)["cross_tenant_cache_hits"] == 1
+
+
+def test_tenants_get_a_key_each_from_a_keys_file(tmp_path):
+    import argparse
+    import json
+
+    from bench.soak import tenant_keys
+
+    app_args = {"limits": {"api_key": "one", "max_new_tokens": 8}}
+    keys = tenant_keys(argparse.Namespace(api_key=None, tenants=2, target=False), app_args, tmp_path)
+    named = json.loads((tmp_path / "api-keys.json").read_text())
+    assert len(set(keys)) == 2 and sorted(named) == sorted(keys) and len(set(named.values())) == 2
+    assert app_args["limits"] == {"api_keys_file": str(tmp_path / "api-keys.json"), "max_new_tokens": 8}
+    assert tenant_keys(argparse.Namespace(api_key=["k"], tenants=1, target=True), {}, tmp_path) == ["k"]
