@@ -34,11 +34,30 @@ def _onednn_linear() -> Callable | None:
 
 
 ONEDNN_LINEAR = _onednn_linear()
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
 PACK_ROWS_HINT = 16
 """The row count oneDNN blocks a packed weight for; measured as fast as a count's own packing from
 3 to 256 rows, and no slower at one."""
+
+
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN packs and multiplies on this CPU. Its reduced-precision paths need
+    instruction sets some x86 CPUs lack (bfloat16: AVX512-BW/VL/DQ or AVX-NE-CONVERT), and it says
+    so only by raising on the first pack; those dtypes take torch's own products instead."""
+    if ONEDNN_PACK is None:
+        return ()
+    packable = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        weight, x = torch.ones(16, 16, dtype=dtype), torch.ones(4, 16, dtype=dtype)
+        try:
+            ONEDNN_LINEAR(x, ONEDNN_PACK(weight, PACK_ROWS_HINT), None)
+        except RuntimeError:
+            continue
+        packable.append(dtype)
+    return tuple(packable)
+
+
+ONEDNN_DTYPES = _packable_dtypes()
 _packed_weights = WeakIdKeyDictionary()
 """weight -> (its version when packed, oneDNN's packed copy): made on first use, again after an
 in-place change (a load, a test setting weights)."""
@@ -79,7 +98,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    packs = ONEDNN_PACK is not None and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
     if packs and (rows > SMALL_ROWS or x.dtype != torch.float32):
         return ONEDNN_LINEAR(x.contiguous(), packed_weight(weight), bias)
     if rows > SMALL_ROWS:

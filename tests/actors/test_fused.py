@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from actors.model import llama
 from actors.model.fused import stack_in_place, stacked_view
 from actors.model.llama import LlamaDecoder, decoder_from_tensors, project
 from actors.model.precision import cpu_has_bfloat16
@@ -65,10 +66,16 @@ def test_weights_assigned_after_loading_are_the_ones_used():
     torch.testing.assert_close(after, logits(reference, ids))
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype):
-    """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T);
-    every one is the same product, and a weight changed in place is packed again."""
+def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype, packed, monkeypatch):
+    """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T,
+    or torch's own product where this CPU's oneDNN cannot pack the dtype); every one is the same
+    product, and a weight changed in place is packed again."""
+    if packed and dtype not in llama.ONEDNN_DTYPES:
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    if not packed:
+        monkeypatch.setattr(llama, "ONEDNN_DTYPES", ())
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
