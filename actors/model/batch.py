@@ -38,6 +38,9 @@ class Segment:
     prefix: int = 0
     """Leading positions every new token attends (the committed context), which the split
     attention backend reads without a mask; 0 leaves the whole span to the mask."""
+    prompt: bool = False
+    """Prompt tokens (prefill: no token's logits wanted but the last), which a CPU attends with
+    torch's kernel rather than ours (cpu_attention.py)."""
 
     @property
     def end(self) -> int:
@@ -55,6 +58,7 @@ class SequenceView:
     end: int
     mask: torch.Tensor | None  # the segment's: [its new tokens, end]
     prefix: int
+    prompt: bool
     for_every_layer: dict = field(default_factory=dict)
     """What attention derives from the view once and reuses in every layer of the pass."""
 
@@ -67,6 +71,8 @@ class PackedBatch:
         self.single = len(self.segments) == 1
         self.per_sequence = self.single or self.device.type == "cpu"
         """Whether attention runs sequence by sequence over cache views (see the module doc)."""
+        self.for_every_layer: dict = {}
+        """What an attention backend derives from the pass once and reuses in every layer."""
         counts = [s.num_tokens for s in self.segments]
         self.num_tokens = sum(counts)
         self.max_new, self.max_end = max(counts), max(s.end for s in self.segments)
@@ -82,7 +88,7 @@ class PackedBatch:
         for segment in self.segments:
             views.append(SequenceView(rows=slice(offset, offset + segment.num_tokens), blocks=segment.blocks,
                                       runs=self.cache.runs(segment.blocks, segment.end), end=segment.end,
-                                      mask=segment.mask, prefix=segment.prefix))
+                                      mask=segment.mask, prefix=segment.prefix, prompt=segment.prompt))
             offset += segment.num_tokens
         return views
 

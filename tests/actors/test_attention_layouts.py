@@ -1,10 +1,12 @@
-"""The sdpa backend's two layouts of a packed batch (per sequence over views of its blocks, padded
-into one call) attend identically: the CPU takes the first, a GPU the second. A sequence whose
-blocks are not adjacent takes the per-run path (log-sum-exp merge), which must agree too."""
+"""The sdpa backend's layouts of a packed batch attend identically: on a CPU our kernel for
+verification rows and torch's per sequence over views of its blocks for prompts (a sequence whose
+blocks are not adjacent in parts merged by log-sum-exp), on a GPU one padded call."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from actors.model import kernels
 from actors.model.attention import SdpaBackend
 from actors.model.batch import PackedBatch, Segment
 from actors.model.kv_cache import KVCache
@@ -44,7 +46,7 @@ def test_per_sequence_and_padded_attention_agree():
 def test_long_runs_attend_in_place_and_short_ones_gathered_agree(monkeypatch):
     """Blocks of 4 with LONG_RUN 8: a sequence of two long runs and three short ones takes both kinds
     of part (the long ones in place, the short ones gathered into one) and attends as the padded path does."""
-    import actors.model.attention as attention
+    import actors.model.cpu_attention as attention
 
     torch.manual_seed(1)
     cache = KVCache(1, 24, 4, 64, 2, 8, dtype=torch.float64)
@@ -64,26 +66,35 @@ def test_long_runs_attend_in_place_and_short_ones_gathered_agree(monkeypatch):
     assert [type(storage).__name__ for storage, _ in attention._parts(view, torch.float64, 2)] == ["slice", "slice", "Tensor"]
 
 
-def test_bfloat16_sequences_attend_with_heads_folded_as_float64_does():
-    """A bfloat16 one-run sequence takes the folded call (query heads of a kv head as rows): it must
-    attend as the float64 padded path does, masked (a tree) or not (a decode step), to bf16's precision."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ours", [True, False], ids=["our-kernel", "torch-kernel"])
+def test_cpu_paths_attend_as_float64_does(dtype, ours, monkeypatch):
+    """Trees, decoding rows, fragmented sequences and prompt chunks (a long one, in several calls)
+    in one pass, through our kernel or, where it cannot be built, torch's (bfloat16 folded): as the
+    float64 padded path does, to the dtype's precision."""
+    if not ours:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("no C++ compiler here")
     torch.manual_seed(1)
     heads, kv_heads, head_dim = 6, 2, 16
-    exact = KVCache(1, 8, 4, 32, kv_heads, head_dim, dtype=torch.float64)
+    exact = KVCache(1, 100, 4, 320, kv_heads, head_dim, dtype=torch.float64)
     exact.keys.normal_()
     exact.values.normal_()
-    low = KVCache(1, 8, 4, 32, kv_heads, head_dim, dtype=torch.bfloat16)
+    low = KVCache(1, 100, 4, 320, kv_heads, head_dim, dtype=dtype)
     low.keys.copy_(exact.keys)
     low.values.copy_(exact.values)
     tree = torch.ones(3, 10 + 3, dtype=torch.bool)
     tree[1, 10] = tree[2, 11] = False
     tree[0, 11:] = False
-    segments = [Segment([0, 1, 2], 9, 1), Segment([4, 5, 6, 7], 10, 3, tree, prefix=10)]
-    q = torch.randn(4, heads, head_dim, dtype=torch.float64)
+    long_prompt = torch.ones(150, 300, dtype=torch.bool).tril(150)
+    segments = [Segment([0, 1, 2], 9, 1), Segment([4, 5, 6, 7], 10, 3, tree, prefix=10),
+                Segment([9, 8, 12, 11], 12, 3, torch.ones(3, 15, dtype=torch.bool).tril(12), prefix=12),
+                Segment(list(range(20, 95)), 150, 150, long_prompt, prefix=150, prompt=True)]
+    q = torch.randn(sum(s.num_tokens for s in segments), heads, head_dim, dtype=torch.float64)
     padded = PackedBatch(segments, torch.device("cpu"), exact)
     padded.per_sequence = False
     want = SdpaBackend().attend(q, padded, exact, 0)
-    batch = PackedBatch(segments, torch.device("cpu"), low)
-    assert batch.per_sequence and all(len(view.runs) == 1 for view in batch.sequences)
-    got = SdpaBackend().attend(q.to(torch.bfloat16), batch, low, 0)
-    torch.testing.assert_close(got.double(), want, rtol=0.02, atol=0.02)
+    got = SdpaBackend().attend(q.to(dtype), PackedBatch(segments, torch.device("cpu"), low), low, 0)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)

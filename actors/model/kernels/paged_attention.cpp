@@ -1,0 +1,250 @@
+// Attention of a packed forward pass's rows over a paged KV cache, for a CPU.
+//
+// Each row lists the storage positions of the columns it attends, in position order. Its output is
+// computed from those columns alone, in blocks of kBlock columns counted from its first, with one
+// fixed order of every sum: so a token gets the same bits whether it is decoded alone, verified deep
+// in a tree (its ancestors wherever the tree's scratch positions put them), prefilled in a chunk of
+// any size, or beside any other rows. Rows of one sequence mostly attend the same leading positions
+// (a committed prefix, a prompt chunk's earlier tokens): a block of those is loaded once for all of
+// them (each row's arithmetic is the same either way). One call covers every row of a pass, for one layer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // columns per online-softmax step
+constexpr int64_t kMaxDim = 256;   // head dimension
+constexpr int64_t kMaxGroup = 16;  // query heads per kv head
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n), written so that the
+// compiler vectorizes it; below -87 it gives about 1e-38 instead of 0, harmless next to any weight.
+__attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) {
+    const float v = x[j] < -87.0f ? -87.0f : x[j];
+    const int32_t n = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);  // rounded, as v <= 0
+    const float whole = static_cast<float>(n);
+    const float r = v - whole * 0.693359375f + whole * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    x[j] = p * __builtin_bit_cast(float, (n + 127) << 23);
+  }
+}
+
+// Block columns as floats: keys transposed [dim][kBlock] (scores then vectorize over columns, with
+// no horizontal sums), values [kBlock][dim].
+template <typename T>
+void load_block(const T* keys, const T* values, const int64_t* positions, int64_t size, int64_t dim,
+                float* keys_t, float* rows) {
+  for (int64_t j = 0; j < size; ++j) {
+    const T* key = keys + positions[j] * dim;
+    const T* value = values + positions[j] * dim;
+    for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = to_float(key[i]);
+    for (int64_t i = 0; i < dim; ++i) rows[j * dim + i] = to_float(value[i]);
+  }
+  for (int64_t j = size; j < kBlock; ++j)
+    for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = 0.f;
+}
+
+// One query vector (a row's query head): its running max, sum of weights and weighted values.
+struct Vector {
+  const float* query;  // [dim], scaled
+  float max_score;
+  float total;
+  float* acc;  // [dim]
+};
+
+// Scores of `count` query vectors (compile-time, so their accumulators stay in registers) against a
+// loaded block: each one the same fused multiply-adds in the same order, whichever vectors share the tile.
+template <int count>
+__attribute__((noinline)) void score_tile(Vector* const* vectors, const float* keys_t, int64_t dim, float* scores) {
+  alignas(64) float tile[count][kBlock] = {};
+  for (int64_t i = 0; i < dim; ++i) {
+    const float* key = keys_t + i * kBlock;
+    for (int v = 0; v < count; ++v) {
+      const float q = vectors[v]->query[i];
+      for (int64_t j = 0; j < kBlock; ++j) tile[v][j] = std::fma(q, key[j], tile[v][j]);
+    }
+  }
+  std::memcpy(scores, tile, sizeof(tile));
+}
+
+// A vector's online-softmax step over a block of `size` columns whose scores are `scores` [kBlock].
+__attribute__((noinline)) void update(Vector& vector, float* scores, const float* rows, int64_t size, int64_t dim) {
+  float block_max = vector.max_score;
+  for (int64_t j = 0; j < size; ++j) block_max = std::max(block_max, scores[j]);
+  for (int64_t j = 0; j < size; ++j) scores[j] -= block_max;
+  exp_in_place(scores, size);
+  float sum = 0.f;
+  for (int64_t j = 0; j < size; ++j) sum += scores[j];
+  const float alpha = vector.max_score == -std::numeric_limits<float>::infinity()
+                          ? 0.f : std::exp(vector.max_score - block_max);
+  vector.total = vector.total * alpha + sum;
+  vector.max_score = block_max;
+  float* acc = vector.acc;
+  for (int64_t i = 0; i < dim; ++i) acc[i] *= alpha;
+  for (int64_t j = 0; j < size; ++j) {
+    const float w = scores[j];
+    const float* row = rows + j * dim;
+    for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(w, row[i], acc[i]);
+  }
+}
+
+constexpr int kTile = 6;  // query vectors scored together
+
+// Every vector of `vectors` over one loaded block, kTile at a time.
+void step(Vector* const* vectors, int64_t count, const float* keys_t, const float* rows, int64_t size, int64_t dim) {
+  alignas(64) float scores[kTile * kBlock];
+  for (int64_t first = 0; first < count; first += kTile) {
+    Vector* const* tile = vectors + first;
+    switch (std::min<int64_t>(kTile, count - first)) {
+      case 6: score_tile<6>(tile, keys_t, dim, scores); break;
+      case 5: score_tile<5>(tile, keys_t, dim, scores); break;
+      case 4: score_tile<4>(tile, keys_t, dim, scores); break;
+      case 3: score_tile<3>(tile, keys_t, dim, scores); break;
+      case 2: score_tile<2>(tile, keys_t, dim, scores); break;
+      default: score_tile<1>(tile, keys_t, dim, scores); break;
+    }
+    for (int64_t v = first; v < std::min(count, first + kTile); ++v)
+      update(*vectors[v], scores + (v - first) * kBlock, rows, size, dim);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& positions,
+         const at::Tensor& starts, const at::Tensor& counts, const at::Tensor& sequences, const at::Tensor& references,
+         const at::Tensor& shared, double scale, at::Tensor& out) {
+  const int64_t heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = keys.size(0), stored = keys.size(1), groups = heads / kv_heads;
+  const int64_t sequence_count = references.numel();
+  const T* q = query.data_ptr<T>();
+  const T* k = keys.data_ptr<T>();
+  const T* v = values.data_ptr<T>();
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t* start_of = starts.data_ptr<int64_t>();
+  const int64_t* count_of = counts.data_ptr<int64_t>();
+  const int64_t* sequence_rows = sequences.data_ptr<int64_t>();
+  const int64_t* reference_of = references.data_ptr<int64_t>();
+  const int64_t* shared_of = shared.data_ptr<int64_t>();
+  T* o = out.data_ptr<T>();
+  // a task: one kv head of one sequence's rows (kv head first, so neighbouring tasks read apart)
+  at::parallel_for(0, kv_heads * sequence_count, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float keys_t[kMaxDim * kBlock];
+    alignas(64) float rows[kBlock * kMaxDim];
+    std::vector<float> scaled, acc;
+    std::vector<Vector> vectors;
+    std::vector<Vector*> sharing;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / sequence_count, sequence = task % sequence_count;
+      const int64_t first = sequence_rows[sequence], count = sequence_rows[sequence + 1] - first;
+      const int64_t reference = reference_of[sequence];
+      const T* keys_base = k + kv * stored * dim;
+      const T* values_base = v + kv * stored * dim;
+      scaled.assign(count * groups * dim, 0.f);
+      acc.assign(count * groups * dim, 0.f);
+      vectors.resize(count * groups);
+      int64_t longest = 0;
+      for (int64_t r = 0; r < count; ++r) {
+        const T* row_query = q + ((first + r) * heads + kv * groups) * dim;
+        for (int64_t i = 0; i < groups * dim; ++i)
+          scaled[r * groups * dim + i] = to_float(row_query[i]) * static_cast<float>(scale);
+        for (int64_t h = 0; h < groups; ++h) {
+          const int64_t index = r * groups + h;
+          vectors[index] = Vector{scaled.data() + index * dim, -std::numeric_limits<float>::infinity(), 0.f,
+                                  acc.data() + index * dim};
+        }
+        longest = std::max(longest, count_of[first + r]);
+      }
+      for (int64_t start = 0; start < longest; start += kBlock) {
+        sharing.clear();  // the vectors of rows whose positions here are the reference row's
+        for (int64_t r = 0; r < count; ++r)
+          if (start + kBlock <= shared_of[first + r])
+            for (int64_t h = 0; h < groups; ++h) sharing.push_back(&vectors[r * groups + h]);
+        if (!sharing.empty()) {
+          load_block(keys_base, values_base, position + start_of[reference] + start, kBlock, dim, keys_t, rows);
+          step(sharing.data(), sharing.size(), keys_t, rows, kBlock, dim);
+        }
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t row = first + r, columns = count_of[row];
+          if (start >= columns || start + kBlock <= shared_of[row]) continue;
+          const int64_t size = std::min(kBlock, columns - start);
+          load_block(keys_base, values_base, position + start_of[row] + start, size, dim, keys_t, rows);
+          std::vector<Vector*> own(groups);
+          for (int64_t h = 0; h < groups; ++h) own[h] = &vectors[r * groups + h];
+          step(own.data(), groups, keys_t, rows, size, dim);
+        }
+      }
+      for (int64_t r = 0; r < count; ++r) {
+        T* row_out = o + ((first + r) * heads + kv * groups) * dim;
+        for (int64_t h = 0; h < groups; ++h) {
+          const Vector& vector = vectors[r * groups + h];
+          for (int64_t i = 0; i < dim; ++i) row_out[h * dim + i] = static_cast<T>(vector.acc[i] / vector.total);
+        }
+      }
+    }
+  });
+}
+
+// query [rows, heads, dim]; keys, values [kv_heads, stored, dim] (one layer of the cache). Row r attends
+// positions[starts[r] : starts[r] + counts[r]], storage positions in position order (each in [0,
+// stored): the caller checks once a pass, not every layer; rows may share a list). sequences [S + 1]:
+// rows [sequences[s], sequences[s + 1]) are one sequence's; references [S]: the row whose list gives
+// the blocks they share; shared [rows]: how many leading positions of a row's list are the
+// reference's. Returns [rows, heads, dim] in the query's dtype.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& positions, const at::Tensor& starts, const at::Tensor& counts,
+                           const at::Tensor& sequences, const at::Tensor& references, const at::Tensor& shared,
+                           double scale) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "query [rows, heads, d], keys/values [kv_heads, stored, d]");
+  TORCH_CHECK(query.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(query.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
+  for (const at::Tensor* index : {&positions, &starts, &counts, &sequences, &references, &shared})
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "int64 contiguous index tensors");
+  const int64_t rows = query.size(0);
+  TORCH_CHECK(starts.numel() == rows && counts.numel() == rows && shared.numel() == rows, "one start, count and shared a row");
+  TORCH_CHECK(sequences.numel() == references.numel() + 1 && sequences[0].item<int64_t>() == 0 &&
+              sequences[-1].item<int64_t>() == rows, "sequences must split the rows");
+  const int64_t dim = query.size(2);
+  TORCH_CHECK(dim <= kMaxDim && keys.size(2) == dim, "head dimension at most 256");
+  TORCH_CHECK(query.size(1) % keys.size(0) == 0 && query.size(1) / keys.size(0) <= kMaxGroup, "query heads per kv head");
+  at::Tensor out = at::empty_like(query);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      run<float>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+      break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve, m) {
+  m.def("paged_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, Tensor starts, Tensor counts, "
+        "Tensor sequences, Tensor references, Tensor shared, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
