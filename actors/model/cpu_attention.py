@@ -90,9 +90,10 @@ def attend_cpu(q: torch.Tensor, batch: PackedBatch, cache: KVCache, layer: int) 
     layout = batch.for_every_layer.get("kernel", False)
     if layout is False:
         ours = q.dtype in KERNEL_DTYPES and kernels.available()
-        verifying = [view for view in batch.sequences if not view.prompt] if ours else []
+        exact = q.dtype != torch.float32
+        verifying = [view for view in batch.sequences if exact or not view.prompt] if ours else []
         layout = batch.for_every_layer["kernel"] = KernelLayout(verifying, cache) if verifying else None
-    prompts = [view for view in batch.sequences if layout is None or view.prompt]
+    prompts = [view for view in batch.sequences if layout is None or (view.prompt and q.dtype == torch.float32)]
     if not prompts:  # a verification pass: one call
         return _kernel(q, layout, cache, layer).view(q.shape[0], -1)
     outputs = [_attend_sequence(q, view, cache, layer) for view in prompts]

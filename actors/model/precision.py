@@ -1,13 +1,18 @@
-"""Which dtype a model runs in when the user leaves it to us ("auto").
+"""Which dtype a model runs in when the user leaves it to us ("auto", the default).
 
 bfloat16 halves the bytes every decode pass reads (weights and KV), and decode is memory bound; but
 a CPU without native bfloat16 dot products (AVX512-BF16 or AMX) converts on every multiply and is
-slower than float32, so only those CPUs get it. GPUs get bfloat16, as vLLM's auto gives a float32
-checkpoint on one.
+slower than float32, so only those CPUs get it, and only where every product gives a row the same
+bits whatever else its pass holds (oneDNN packs bfloat16 there, and our attention kernel builds):
+then speculative greedy output is plain decoding's token for token in bfloat16 too (docs/lossless.md).
+GPUs get bfloat16, as vLLM's auto gives a float32 checkpoint on one.
 """
 from __future__ import annotations
 
 import torch
+
+from actors.model import kernels
+from actors.model.llama import ONEDNN_DTYPES
 
 AUTO = "auto"
 
@@ -18,10 +23,16 @@ def cpu_has_bfloat16() -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
+def cpu_bfloat16_is_exact() -> bool:
+    """Whether a bfloat16 row's products here do not depend on its pass: oneDNN multiplies packed
+    bfloat16 on this CPU and our attention kernel is built."""
+    return torch.bfloat16 in ONEDNN_DTYPES and kernels.available()
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """`dtype`, or for "auto" the fastest lossless-in-its-own-precision dtype for `device`."""
     if dtype != AUTO:
         return dtype
     if torch.device(device).type == "cpu":
-        return "bfloat16" if cpu_has_bfloat16() else "float32"
+        return "bfloat16" if cpu_has_bfloat16() and cpu_bfloat16_is_exact() else "float32"
     return "bfloat16"

@@ -185,9 +185,10 @@ class EngineConfig(SchedulerConfig):
         "actor, all cache scopes together, in bytes as estimated from its parts (oldest outputs evicted; ~440 bytes per "
         "learned token on Spec-Bench text, so the token bound binds first at the defaults); null: the token bound alone")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="weights and KV cache dtype; auto: bfloat16 on a GPU and on a CPU with native "
-        "bfloat16 (AVX512-BF16 or AMX), else float32. float32 keeps speculative greedy output token for token "
-        "plain decoding's; in bfloat16 they can part at a near-tie (docs/lossless.md)")
+        "auto", description="weights and KV cache dtype; auto: bfloat16 on a GPU, and on a CPU with native "
+        "bfloat16 (AVX512-BF16 or AMX) where its products are exact per row (actors/model/precision.py), else "
+        "float32. On a CPU speculative greedy output is plain decoding's token for token in either; on a GPU, "
+        "bfloat16 can part at a near-tie (docs/lossless.md)")
     device: str = Field("cpu", description="torch device of the model")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads in each target shard and draft actor; null: the cores the process "

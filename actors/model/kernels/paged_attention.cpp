@@ -13,6 +13,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -86,44 +90,111 @@ __attribute__((noinline)) void score_tile(Vector* const* vectors, const float* k
   std::memcpy(scores, tile, sizeof(tile));
 }
 
-// A vector's online-softmax step over a block of `size` columns whose scores are `scores` [kBlock].
-__attribute__((noinline)) void update(Vector& vector, float* scores, const float* rows, int64_t size, int64_t dim) {
+// A vector's softmax step over a block of `size` columns: `scores` [kBlock] become the weights (0
+// past `size`), its max and total move on; returns the factor its earlier weighted sum is to be
+// scaled by. The block's sum is taken in one fixed order (halves added pairwise).
+__attribute__((noinline)) float weigh(Vector& vector, float* scores, int64_t size) {
+  for (int64_t j = size; j < kBlock; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   float block_max = vector.max_score;
+#ifdef __AVX512F__
+  static_assert(kBlock == 32, "two vectors of 16 floats");
+  block_max = std::max(block_max, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_loadu_ps(scores), _mm512_loadu_ps(scores + 16))));
+#else
   for (int64_t j = 0; j < size; ++j) block_max = std::max(block_max, scores[j]);
-  for (int64_t j = 0; j < size; ++j) scores[j] -= block_max;
+#endif
+  for (int64_t j = 0; j < kBlock; ++j) scores[j] -= block_max;
   exp_in_place(scores, size);
-  float sum = 0.f;
-  for (int64_t j = 0; j < size; ++j) sum += scores[j];
+  for (int64_t j = size; j < kBlock; ++j) scores[j] = 0.f;
+#ifdef __AVX512F__
+  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(scores), _mm512_loadu_ps(scores + 16)));
+#else
+  alignas(64) float partial[kBlock];
+  std::memcpy(partial, scores, sizeof(partial));
+  for (int64_t width = kBlock / 2; width >= 1; width /= 2)
+    for (int64_t j = 0; j < width; ++j) partial[j] += partial[j + width];
+  const float sum = partial[0];
+#endif
   const float alpha = vector.max_score == -std::numeric_limits<float>::infinity()
                           ? 0.f : std::exp(vector.max_score - block_max);
   vector.total = vector.total * alpha + sum;
   vector.max_score = block_max;
+  return alpha;
+}
+
+// acc = acc * alpha, then acc = fma(weight_j, value_j, acc) for j in order: one vector at a time, or
+// with AVX-512 `count` vectors at once with the head dimension known (accumulators in registers,
+// each value row loaded once). Every vector's arithmetic is the same either way (exact fused
+// multiply-adds, in the same order).
+__attribute__((noinline)) void accumulate_one(Vector& vector, const float* weights, float alpha, const float* rows,
+                                              int64_t size, int64_t dim) {
   float* acc = vector.acc;
   for (int64_t i = 0; i < dim; ++i) acc[i] *= alpha;
   for (int64_t j = 0; j < size; ++j) {
-    const float w = scores[j];
+    const float w = weights[j];
     const float* row = rows + j * dim;
     for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(w, row[i], acc[i]);
   }
 }
 
-constexpr int kTile = 6;  // query vectors scored together
+#ifdef __AVX512F__
+template <int count, int chunks>  // chunks: the head dimension in 16-float vectors
+__attribute__((noinline)) void accumulate_tile(Vector* const* vectors, const float* weights, const float* alphas,
+                                               const float* rows, int64_t size) {
+  __m512 acc[count][chunks];
+#pragma GCC unroll 16
+  for (int v = 0; v < count; ++v)
+#pragma GCC unroll 16
+    for (int c = 0; c < chunks; ++c)
+      acc[v][c] = _mm512_mul_ps(_mm512_loadu_ps(vectors[v]->acc + 16 * c), _mm512_set1_ps(alphas[v]));
+  for (int64_t j = 0; j < size; ++j) {
+    __m512 row[chunks];
+#pragma GCC unroll 16
+    for (int c = 0; c < chunks; ++c) row[c] = _mm512_loadu_ps(rows + j * chunks * 16 + 16 * c);
+#pragma GCC unroll 16
+    for (int v = 0; v < count; ++v) {
+      const __m512 w = _mm512_set1_ps(weights[v * kBlock + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < chunks; ++c) acc[v][c] = _mm512_fmadd_ps(w, row[c], acc[v][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < count; ++v)
+#pragma GCC unroll 16
+    for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(vectors[v]->acc + 16 * c, acc[v][c]);
+}
+#endif
+
+template <int count>
+void accumulate(Vector* const* vectors, const float* weights, const float* alphas, const float* rows, int64_t size,
+                int64_t dim) {
+#ifdef __AVX512F__
+  if (dim == 64) return accumulate_tile<count, 4>(vectors, weights, alphas, rows, size);
+  if (dim == 128 && count <= 2) return accumulate_tile<count, 8>(vectors, weights, alphas, rows, size);
+#endif
+  for (int v = 0; v < count; ++v) accumulate_one(*vectors[v], weights + v * kBlock, alphas[v], rows, size, dim);
+}
+
+constexpr int kTile = 4;  // query vectors scored and accumulated together
+
+template <int count>
+void tile_step(Vector* const* vectors, const float* keys_t, const float* rows, int64_t size, int64_t dim) {
+  alignas(64) float scores[kTile * kBlock];
+  float alphas[kTile];
+  score_tile<count>(vectors, keys_t, dim, scores);
+  for (int v = 0; v < count; ++v) alphas[v] = weigh(*vectors[v], scores + v * kBlock, size);
+  accumulate<count>(vectors, scores, alphas, rows, size, dim);
+}
 
 // Every vector of `vectors` over one loaded block, kTile at a time.
 void step(Vector* const* vectors, int64_t count, const float* keys_t, const float* rows, int64_t size, int64_t dim) {
-  alignas(64) float scores[kTile * kBlock];
   for (int64_t first = 0; first < count; first += kTile) {
     Vector* const* tile = vectors + first;
     switch (std::min<int64_t>(kTile, count - first)) {
-      case 6: score_tile<6>(tile, keys_t, dim, scores); break;
-      case 5: score_tile<5>(tile, keys_t, dim, scores); break;
-      case 4: score_tile<4>(tile, keys_t, dim, scores); break;
-      case 3: score_tile<3>(tile, keys_t, dim, scores); break;
-      case 2: score_tile<2>(tile, keys_t, dim, scores); break;
-      default: score_tile<1>(tile, keys_t, dim, scores); break;
+      case 4: tile_step<4>(tile, keys_t, rows, size, dim); break;
+      case 3: tile_step<3>(tile, keys_t, rows, size, dim); break;
+      case 2: tile_step<2>(tile, keys_t, rows, size, dim); break;
+      default: tile_step<1>(tile, keys_t, rows, size, dim); break;
     }
-    for (int64_t v = first; v < std::min(count, first + kTile); ++v)
-      update(*vectors[v], scores + (v - first) * kBlock, rows, size, dim);
   }
 }
 
