@@ -35,8 +35,8 @@ from tests.conftest import IdTokenizer
 
 
 def pooled_spec(model_dir, name: str, **pool) -> ClusterSpec:
-    engine = EngineConfig(model=str(model_dir), method="draft", draft="layer-skip:2", max_sequences=4, max_len=256,
-                          **UNPLANNED)
+    engine = EngineConfig(model=str(model_dir), dtype="float32", method="draft", draft="layer-skip:2", max_sequences=4,
+                          max_len=256, **UNPLANNED)
     return ClusterSpec(engine=engine, draft_pool=DraftPoolSpec(name=name, report_period_s=0.5, idle_shutdown_s=2,
                                                                **pool))
 

@@ -54,7 +54,7 @@ def run_cluster(spec: ClusterSpec, prefix: str):
 
 @pytest.mark.parametrize("method,width", [("eagle3", 2), ("medusa", 1)], ids=["eagle3-tree", "medusa"])
 def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method, width):
-    engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method=method, draft=str(head_folders / method),
                           draft_width=width, max_sequences=4, max_len=256, **UNPLANNED)
     outputs, _, layers = run_cluster(ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=1), method)
     assert [o.token_ids for o in outputs] == expected
@@ -64,7 +64,7 @@ def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_d
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
 def test_a_head_colocated_with_its_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method):
-    engine = EngineConfig(model=str(tiny_model_dir), method=method, draft=str(head_folders / method),
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method=method, draft=str(head_folders / method),
                           max_sequences=4, max_len=256, **UNPLANNED)
     spec = ClusterSpec(engine=engine, num_draft_actors=3, colocate_drafter=True)
     assert spec.draft_actor_count == 0 and spec.total_gpus() == 1
@@ -98,7 +98,7 @@ def essentials(outputs) -> list:
 def test_every_request_option_through_a_head(ray_four_gpus, tiny_model_dir, head_folders, deployment):
     """Log-probabilities, penalties and a grammar reach a co-located head's shard and a draft actor beside
     a TP=2 group without failing the group: outputs equal plain decoding of the same requests."""
-    engine = EngineConfig(model=str(tiny_model_dir), method="eagle3", draft=str(head_folders / "eagle3"),
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method="eagle3", draft=str(head_folders / "eagle3"),
                           max_sequences=6, max_len=256)
     colocated = deployment == "colocated"
     spec = ClusterSpec(engine=engine, tensor_parallel_size=1 if colocated else 2, colocate_drafter=colocated)
@@ -134,7 +134,7 @@ def test_seeded_samples_through_a_tp2_group_equal_plain_decoding(ray_four_gpus, 
                                                                  deployment):
     """The same seeds give the same samples from a TP=2 group with an EAGLE-3 head in a draft actor
     (or co-located) as from plain decoding in this process, with drafts accepted on the way."""
-    engine = EngineConfig(model=str(tiny_model_dir), method="eagle3", draft=str(head_folders / "eagle3"),
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method="eagle3", draft=str(head_folders / "eagle3"),
                           draft_width=2, max_sequences=8, max_len=256, **UNPLANNED)
     colocated = deployment == "colocated"
     spec = ClusterSpec(engine=engine, tensor_parallel_size=1 if colocated else 2, colocate_drafter=colocated)

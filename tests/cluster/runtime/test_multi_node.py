@@ -71,7 +71,7 @@ def generate_retrying(cluster, batch, timeout_s):
 
 def tiny_engine(model_dir, **fields) -> EngineConfig:
     """The tiny target drafted by its own first layers, trees verified as drafted."""
-    return EngineConfig(model=str(model_dir), method="draft", draft="layer-skip:2", max_sequences=4, max_len=256,
+    return EngineConfig(model=str(model_dir), dtype="float32", method="draft", draft="layer-skip:2", max_sequences=4, max_len=256,
                         **UNPLANNED, **fields)
 
 

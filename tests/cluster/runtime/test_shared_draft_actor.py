@@ -12,8 +12,8 @@ from tests.cluster.runtime.cluster_requests import UNPLANNED, expected, requests
 def test_one_draft_actor_serves_every_target_group_without_running_out_of_slots(ray_four_gpus, tiny_model_dir,
                                                                                  expected):
     """Two target groups of 2 slots each share one draft-model actor: it holds 4 requests at once."""
-    engine = EngineConfig(model=str(tiny_model_dir), method="draft", draft="layer-skip:2", max_sequences=2, max_len=256,
-                          **UNPLANNED)
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method="draft", draft="layer-skip:2",
+                          max_sequences=2, max_len=256, **UNPLANNED)
     spec = ClusterSpec(engine=engine, num_target_groups=2, num_draft_actors=1)
     cluster = SpecCluster(spec).start()
     try:

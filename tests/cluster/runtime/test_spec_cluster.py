@@ -18,7 +18,7 @@ from tests.conftest import IdTokenizer
 
 @pytest.fixture(scope="module")
 def cluster(ray_four_gpus, tiny_model_dir):
-    engine = EngineConfig(model=str(tiny_model_dir), method="draft", draft="layer-skip:2", draft_width=2,
+    engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method="draft", draft="layer-skip:2", draft_width=2,
                           max_sequences=4, max_len=256, pipeline=True, **UNPLANNED)
     spec = ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=2)
     cluster = SpecCluster(spec).start()

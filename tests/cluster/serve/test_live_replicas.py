@@ -46,7 +46,8 @@ def ports(tiny_model_dir, self_signed_cert):
     https = {"host": "127.0.0.1", "port": https_port, "ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}
     with serve_on_local_ray(grpc_port, https):
         args = AppArgs.model_validate({
-            "cluster": {"engine": {"model": str(tiny_model_dir), "method": "pld", "max_sequences": 2, "max_len": 128},
+            "cluster": {"engine": {"model": str(tiny_model_dir), "dtype": "float32", "method": "pld", "max_sequences": 2,
+                                   "max_len": 128},
                         "gpus_per_target_shard": 0, "gpus_per_draft_actor": 0},
             "limits": {"max_prompt_tokens": 64, "max_new_tokens": 64, "max_concurrent_requests": 16},
         })
