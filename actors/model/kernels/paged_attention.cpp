@@ -53,18 +53,32 @@ __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
 }
 
 // Block columns as floats: keys transposed [dim][kBlock] (scores then vectorize over columns, with
-// no horizontal sums), values [kBlock][dim].
+// no horizontal sums), values [kBlock][dim]. Columns past `size` get zero keys.
 template <typename T>
 void load_block(const T* keys, const T* values, const int64_t* positions, int64_t size, int64_t dim,
                 float* keys_t, float* rows) {
+  alignas(64) float staged[kBlock * kMaxDim];  // keys as rows, then transposed 16 columns at a time
   for (int64_t j = 0; j < size; ++j) {
     const T* key = keys + positions[j] * dim;
     const T* value = values + positions[j] * dim;
-    for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = to_float(key[i]);
+    for (int64_t i = 0; i < dim; ++i) staged[j * dim + i] = to_float(key[i]);
     for (int64_t i = 0; i < dim; ++i) rows[j * dim + i] = to_float(value[i]);
   }
   for (int64_t j = size; j < kBlock; ++j)
-    for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = 0.f;
+    for (int64_t i = 0; i < dim; ++i) staged[j * dim + i] = 0.f;
+#ifdef __AVX512F__
+  if (dim % 16 == 0) {
+    const __m512i column_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                       _mm512_set1_epi32(static_cast<int>(dim)));
+    for (int64_t first = 0; first < kBlock; first += 16)
+      for (int64_t i = 0; i < dim; ++i)
+        _mm512_store_ps(keys_t + i * kBlock + first,
+                        _mm512_i32gather_ps(column_offsets, staged + first * dim + i, sizeof(float)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kBlock; ++j)
+    for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = staged[j * dim + i];
 }
 
 // One query vector (a row's query head): its running max, sum of weights and weighted values.
