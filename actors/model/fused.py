@@ -56,10 +56,16 @@ class JointProjection:
         self._stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
-        stacked = self._weights()
-        if stacked is None:
+        joint = self.joint(x)
+        if joint is None:
             return [projection(x) for projection in self.projections]
-        return self.project(x, *stacked).split(self.sizes, dim=-1)
+        return joint.split(self.sizes, dim=-1)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The one product [rows, sum of sizes], its parts side by side; None while the parameters
+        are not stacked."""
+        stacked = self._weights()
+        return None if stacked is None else self.project(x, *stacked)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         weights = [p.weight for p in self.projections]

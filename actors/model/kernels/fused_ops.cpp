@@ -1,0 +1,181 @@
+// A decoder layer's elementwise steps fused, for a CPU: each reads its inputs once, computes in float32
+// and rounds once, one call for every row of a pass. Each row's result depends on that row alone.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// hidden + delta (when given, rounded to hidden's dtype as a separate add would), and that sum's
+// rows scaled by the reciprocal root of their mean square (summed in kLanes partial sums, added in
+// order) and by weight.
+template <typename T>
+void add_rms_norm_rows(const T* hidden, const T* delta, const T* weight, T* sum, T* out, int64_t rows, int64_t width,
+                       float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* x = hidden + row * width;
+      T* s = sum + row * width;
+      if (delta != nullptr) {
+        const T* d = delta + row * width;
+        for (int64_t i = 0; i < width; ++i) s[i] = static_cast<T>(to_float(x[i]) + to_float(d[i]));
+        x = s;
+      }
+      float partial[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= width; i += kLanes)
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          const float v = to_float(x[i + lane]);
+          partial[lane] += v * v;
+        }
+      for (int64_t lane = 0; i < width; ++i, ++lane) {
+        const float v = to_float(x[i]);
+        partial[lane] += v * v;
+      }
+      float squares = 0.f;
+      for (int64_t lane = 0; lane < kLanes; ++lane) squares += partial[lane];
+      const float scale = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+      T* y = out + row * width;
+      for (int64_t j = 0; j < width; ++j) y[j] = static_cast<T>(to_float(x[j]) * scale * to_float(weight[j]));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden [rows, width], contiguous");
+  TORCH_CHECK(weight.numel() == hidden.size(1) && weight.scalar_type() == hidden.scalar_type(), "weight [width]");
+  if (delta.has_value())
+    TORCH_CHECK(delta->sizes() == hidden.sizes() && delta->is_contiguous() && delta->scalar_type() == hidden.scalar_type(),
+                "delta like hidden");
+  at::Tensor weight_c = weight.contiguous();
+  at::Tensor sum = delta.has_value() ? at::empty_like(hidden) : hidden;
+  at::Tensor out = at::empty_like(hidden);
+  const float e = static_cast<float>(eps);
+  switch (hidden.scalar_type()) {
+#define RUN(type)                                                                                                        \
+  add_rms_norm_rows<type>(hidden.data_ptr<type>(), delta.has_value() ? delta->data_ptr<type>() : nullptr,               \
+                          weight_c.data_ptr<type>(), sum.data_ptr<type>(), out.data_ptr<type>(), hidden.size(0),          \
+                          hidden.size(1), e);                                                                            \
+  break;
+    case at::kFloat: RUN(float)
+    case at::kBFloat16: RUN(c10::BFloat16)
+    case at::kHalf: RUN(c10::Half)
+#undef RUN
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+  }
+  return {sum, out};
+}
+
+// gate_up [rows, 2 x width] (gate, then up) -> silu(gate) * up [rows, width]
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* gate = gate_up + row * 2 * width;
+      const T* up = gate + width;
+      T* y = out + row * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 x width]");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_and_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width); break;
+    case at::kBFloat16:
+      silu_and_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, width);
+      break;
+    case at::kHalf: silu_and_mul_rows<c10::Half>(gate_up.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, width); break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+  }
+  return out;
+}
+
+// qkv [tokens, (heads + 2 kv_heads) x dim] (a fused projection's output): q and k rotated by cos/sin
+// [tokens, dim] (half-split rotation: x * cos + (-x2, x1) * sin), k and v written to keys/values
+// [kv_heads, stored, dim] at storage[token]. Returns the rotated q [tokens, heads, dim].
+template <typename T>
+void rotary_rows(const T* qkv, const float* cos, const float* sin, T* keys, T* values, const int64_t* storage, T* q_out,
+                 int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t stored) {
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * width;
+      const float* c = cos + t * dim;
+      const float* s = sin + t * dim;
+      auto rotate = [&](const T* x, T* y) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(x[i]), b = to_float(x[i + half]);
+          y[i] = static_cast<T>(a * c[i] - b * s[i]);
+          y[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
+        }
+      };
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, q_out + (t * heads + h) * dim);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(row + (heads + h) * dim, keys + (h * stored + storage[t]) * dim);
+        const T* v = row + (heads + kv_heads + h) * dim;
+        T* target = values + (h * stored + storage[t]) * dim;
+        for (int64_t i = 0; i < dim; ++i) target[i] = v[i];
+      }
+    }
+  });
+}
+
+at::Tensor rotary_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys,
+                            at::Tensor values, const at::Tensor& storage, int64_t heads, int64_t kv_heads) {
+  const int64_t tokens = qkv.size(0), dim = keys.size(2), stored = keys.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * dim, "qkv [tokens, (heads + 2 kv_heads) x dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes(), "float32 cos/sin [tokens, dim]");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.size(0) == kv_heads && keys.sizes() == values.sizes() &&
+              keys.scalar_type() == qkv.scalar_type() && values.scalar_type() == qkv.scalar_type(), "keys/values [kv_heads, stored, dim]");
+  TORCH_CHECK(storage.scalar_type() == at::kLong && storage.is_contiguous() && storage.numel() == tokens, "int64 storage [tokens]");
+  TORCH_CHECK(dim % 2 == 0, "an even head dimension");
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  switch (qkv.scalar_type()) {
+#define RUN(type)                                                                                                        \
+  rotary_rows<type>(qkv.data_ptr<type>(), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<type>(),           \
+                    values.data_ptr<type>(), storage.data_ptr<int64_t>(), q.data_ptr<type>(), tokens, heads, kv_heads,  \
+                    dim, stored);                                                                                        \
+  break;
+    case at::kFloat: RUN(float)
+    case at::kBFloat16: RUN(c10::BFloat16)
+    case at::kHalf: RUN(c10::Half)
+#undef RUN
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+  }
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("add_rms_norm(Tensor hidden, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_and_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor storage, "
+        "int heads, int kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_and_write", &rotary_and_write);
+}
