@@ -26,6 +26,7 @@ from actors.model.cache_folder import cache_root
 
 log = logging.getLogger(__name__)
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
+HEADERS = ("vector_math.h",)
 HERE = Path(__file__).resolve().parent
 
 
@@ -42,7 +43,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where this machine's build lives (named by what it was built from and for)."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((HERE / name).read_bytes())
     digest.update(f"{torch.__version__} {_cpu_flags()}".encode())
     return cache_root() / "kernels" / digest.hexdigest()[:16] / "specserve_kernels.so"

@@ -6,6 +6,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vector_math.h"
+
 #include <cmath>
 #include <tuple>
 
@@ -88,7 +90,7 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
       T* y = out + row * width;
       for (int64_t i = 0; i < width; ++i) {
         const float g = to_float(gate[i]);
-        y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+        y[i] = static_cast<T>(g / (1.f + specserve_kernels::exp_approx(-g)) * to_float(up[i]));
       }
     }
   });

@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vector_math.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -33,23 +35,8 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n), written so that the
-// compiler vectorizes it; below -87 it gives about 1e-38 instead of 0, harmless next to any weight.
 __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) {
-    const float v = x[j] < -87.0f ? -87.0f : x[j];
-    const int32_t n = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);  // rounded, as v <= 0
-    const float whole = static_cast<float>(n);
-    const float r = v - whole * 0.693359375f + whole * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    x[j] = p * __builtin_bit_cast(float, (n + 127) << 23);
-  }
+  for (int64_t j = 0; j < count; ++j) x[j] = specserve_kernels::exp_approx(x[j]);
 }
 
 // Block columns as floats: keys transposed [dim][kBlock] (scores then vectorize over columns, with
