@@ -26,7 +26,7 @@ from actors.model.cache_folder import cache_root
 
 log = logging.getLogger(__name__)
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
-HEADERS = ("vector_math.h",)
+HEADERS = ("vector_math.h", "dtype_io.h")
 HERE = Path(__file__).resolve().parent
 
 

@@ -9,11 +9,9 @@
 // them (each row's arithmetic is the same either way). One call covers every row of a pass, for one layer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "vector_math.h"
+#include "dtype_io.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -31,9 +29,9 @@ constexpr int64_t kBlock = 32;     // columns per online-softmax step
 constexpr int64_t kMaxDim = 256;   // head dimension
 constexpr int64_t kMaxGroup = 16;  // query heads per kv head
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using specserve_kernels::elements;
+using specserve_kernels::put;
+using specserve_kernels::to_float;
 
 __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
   for (int64_t j = 0; j < count; ++j) x[j] = specserve_kernels::exp_approx(x[j]);
@@ -199,6 +197,37 @@ void step(Vector* const* vectors, int64_t count, const float* keys_t, const floa
   }
 }
 
+// A run of one sequence's rows that one task attends. A sequence's rows are split where they hold
+// more work (columns) than a thread's share over kPartsPerThread: a long prompt chunk's rows would
+// otherwise be a task per kv head, too few to keep every thread busy. Which task attends a row
+// changes none of its arithmetic.
+struct Part {
+  int64_t sequence, first, end;
+};
+
+constexpr int64_t kPartsPerThread = 4;
+
+std::vector<Part> split_rows(const int64_t* sequence_rows, int64_t sequence_count, const int64_t* count_of,
+                             int64_t threads) {
+  int64_t total = 0;
+  for (int64_t row = 0; row < sequence_rows[sequence_count]; ++row) total += count_of[row];
+  const int64_t share = std::max<int64_t>(total / (kPartsPerThread * std::max<int64_t>(threads, 1)), 1);
+  std::vector<Part> parts;
+  for (int64_t sequence = 0; sequence < sequence_count; ++sequence) {
+    int64_t first = sequence_rows[sequence], work = 0;
+    for (int64_t row = first; row < sequence_rows[sequence + 1]; ++row) {
+      work += count_of[row];
+      if (work >= share && row + 1 < sequence_rows[sequence + 1]) {
+        parts.push_back({sequence, first, row + 1});
+        first = row + 1;
+        work = 0;
+      }
+    }
+    parts.push_back({sequence, first, sequence_rows[sequence + 1]});
+  }
+  return parts;
+}
+
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& positions,
          const at::Tensor& starts, const at::Tensor& counts, const at::Tensor& sequences, const at::Tensor& references,
@@ -206,27 +235,31 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   const int64_t heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = keys.size(0), stored = keys.size(1), groups = heads / kv_heads;
   const int64_t sequence_count = references.numel();
-  const T* q = query.data_ptr<T>();
-  const T* k = keys.data_ptr<T>();
-  const T* v = values.data_ptr<T>();
+  const T* q = elements<T>(query);
+  const T* k = elements<T>(keys);
+  const T* v = elements<T>(values);
   const int64_t* position = positions.data_ptr<int64_t>();
   const int64_t* start_of = starts.data_ptr<int64_t>();
   const int64_t* count_of = counts.data_ptr<int64_t>();
   const int64_t* sequence_rows = sequences.data_ptr<int64_t>();
   const int64_t* reference_of = references.data_ptr<int64_t>();
   const int64_t* shared_of = shared.data_ptr<int64_t>();
-  T* o = out.data_ptr<T>();
-  // a task: one kv head of one sequence's rows (kv head first, so neighbouring tasks read apart)
-  at::parallel_for(0, kv_heads * sequence_count, 1, [&](int64_t begin, int64_t end) {
+  T* o = elements<T>(out);
+  const std::vector<Part> parts = split_rows(sequence_rows, sequence_count, count_of, at::get_num_threads());
+  const int64_t part_count = static_cast<int64_t>(parts.size());
+  // a task: one kv head of one part's rows (kv head first, so neighbouring tasks read apart)
+  at::parallel_for(0, kv_heads * part_count, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float keys_t[kMaxDim * kBlock];
     alignas(64) float rows[kBlock * kMaxDim];
     std::vector<float> scaled, acc;
     std::vector<Vector> vectors;
     std::vector<Vector*> sharing;
+    Vector* own[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / sequence_count, sequence = task % sequence_count;
-      const int64_t first = sequence_rows[sequence], count = sequence_rows[sequence + 1] - first;
-      const int64_t reference = reference_of[sequence];
+      const int64_t kv = task / part_count;
+      const Part& part = parts[task % part_count];
+      const int64_t first = part.first, count = part.end - part.first;
+      const int64_t reference = reference_of[part.sequence];
       const T* keys_base = k + kv * stored * dim;
       const T* values_base = v + kv * stored * dim;
       scaled.assign(count * groups * dim, 0.f);
@@ -258,16 +291,15 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
           if (start >= columns || start + kBlock <= shared_of[row]) continue;
           const int64_t size = std::min(kBlock, columns - start);
           load_block(keys_base, values_base, position + start_of[row] + start, size, dim, keys_t, rows);
-          std::vector<Vector*> own(groups);
           for (int64_t h = 0; h < groups; ++h) own[h] = &vectors[r * groups + h];
-          step(own.data(), groups, keys_t, rows, size, dim);
+          step(own, groups, keys_t, rows, size, dim);
         }
       }
       for (int64_t r = 0; r < count; ++r) {
         T* row_out = o + ((first + r) * heads + kv * groups) * dim;
         for (int64_t h = 0; h < groups; ++h) {
           const Vector& vector = vectors[r * groups + h];
-          for (int64_t i = 0; i < dim; ++i) row_out[h * dim + i] = static_cast<T>(vector.acc[i] / vector.total);
+          for (int64_t i = 0; i < dim; ++i) put(row_out + h * dim + i, vector.acc[i] / vector.total);
         }
       }
     }
@@ -302,7 +334,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
       run<float>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+      run<uint16_t>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
       break;
     case at::kHalf:
       run<c10::Half>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);

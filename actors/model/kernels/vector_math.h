@@ -22,4 +22,14 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(whole) + 127) << 23);
 }
 
+// bfloat16 <-> float32 on the raw bits, written so loops over them vectorize (c10's conversions are
+// calls the compiler keeps scalar). Rounding is c10's: to nearest even, any NaN to 0x7FC0.
+inline float from_bfloat16_bits(uint16_t bits) { return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16); }
+
+inline uint16_t to_bfloat16_bits(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return x != x ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
 }  // namespace specserve_kernels
