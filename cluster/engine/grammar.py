@@ -8,9 +8,11 @@ matcher, which `constraints.RequestRules` walks over draft trees and rolls back.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,9 +77,47 @@ class CompiledGrammar:
         return GrammarMatcher(self.compiled, self.words)
 
 
+@dataclass(frozen=True)
+class Compiling:
+    """One caller's wait for a spec's compile (`GrammarCompiler.start`), with a deadline counted from
+    when it asked: on a thread (`result`), or on an event loop (`compiled`), where a waiting request
+    holds no thread, so slow compiles cannot take every thread that parses requests."""
+
+    outcome: Future
+    """Settles to a CompiledGrammar or the refusal's message."""
+    started: float
+    """time.monotonic() when the caller asked for it."""
+
+    @property
+    def done(self) -> bool:
+        return self.outcome.done()
+
+    def _left(self, timeout: float | None) -> float | None:
+        return None if timeout is None else max(0.0, self.started + timeout - time.monotonic())
+
+    def result(self, timeout: float | None = None) -> CompiledGrammar:
+        """The compiled grammar, waited for on this thread; ValueError for a spec that does not
+        compile, CompileTimeout once `timeout` seconds have passed since the caller asked."""
+        try:
+            outcome = self.outcome.result(self._left(timeout))
+        except concurrent.futures.TimeoutError:
+            raise CompileTimeout(f"did not compile within {timeout:g} s") from None
+        return _settled(outcome)
+
+    async def compiled(self, timeout: float | None = None) -> CompiledGrammar:
+        """`result`, awaited on the running event loop instead of a thread."""
+        waiting = asyncio.shield(asyncio.wrap_future(self.outcome))  # a deadline must not cancel the shared compile
+        try:
+            outcome = await asyncio.wait_for(waiting, self._left(timeout))
+        except TimeoutError:
+            raise CompileTimeout(f"did not compile within {timeout:g} s") from None
+        return _settled(outcome)
+
+
 class GrammarCompiler:
-    """Compiles specs for one tokenizer. Thread-safe: front ends compile off the event loop, several
-    at once (xgrammar's compiler is thread-safe and releases the GIL while it compiles).
+    """Compiles specs for one tokenizer. Thread-safe: front ends start compiles from the threads that
+    parse requests, several at once (xgrammar's compiler is thread-safe and releases the GIL while it
+    compiles), and await them on the event loop (`Compiling.compiled`).
 
     The outcome of the last `cache_size` distinct specs is kept (LRU), refusals included, so a spec
     sent again, even one that does not compile, costs nothing; requests with a spec being compiled
@@ -109,6 +149,12 @@ class GrammarCompiler:
         """The compiled grammar, or ValueError saying what is wrong with the spec (each compiled once
         while it stays among the last `cache_size` distinct specs); CompileTimeout past `timeout`
         seconds, waiting for a compile thread included."""
+        return self.start(spec).result(timeout)
+
+    def start(self, spec: GrammarSpec) -> Compiling:
+        """`spec`'s compile, started on a compile thread unless its outcome is kept or under way; the
+        caller chooses how to wait for it."""
+        started = time.monotonic()
         with self._cache_lock:
             outcome = self._cache.get(spec)
             compiles_here = outcome is None
@@ -124,13 +170,7 @@ class GrammarCompiler:
                 self.hits += 1
         if compiles_here:
             self._executor.submit(self._settle, spec, outcome)
-        try:
-            result = outcome.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise CompileTimeout(f"did not compile within {timeout:g} s") from None
-        if isinstance(result, str):
-            raise ValueError(result)
-        return result
+        return Compiling(outcome, started)
 
     def _settle(self, spec: GrammarSpec, outcome: Future) -> None:
         """Compile `spec` into `outcome`, for whoever waits on it (on a compile thread); an unexpected
@@ -168,6 +208,13 @@ class GrammarCompiler:
         """Hits, misses, specs kept and the limit (operators, tests)."""
         with self._cache_lock:
             return {"hits": self.hits, "misses": self.misses, "size": len(self._cache), "limit": self.cache_size}
+
+
+def _settled(outcome: CompiledGrammar | str) -> CompiledGrammar:
+    """A compile's outcome as its waiters get it: the refusal's message as ValueError."""
+    if isinstance(outcome, str):
+        raise ValueError(outcome)
+    return outcome
 
 
 def _first_line(error: Exception) -> str:

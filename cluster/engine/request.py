@@ -30,7 +30,8 @@ class GenerationRequest:
     logprobs: int | None = None
     """Alternatives wanted at each output position (0: the chosen token's log-probability only); None: none."""
     grammar: CompiledGrammar | None = None
-    """What the output must match (structured output); None: anything."""
+    """What the output must match (structured output); None: anything. (A front end's request holds its
+    grammar's `Compiling` until the front end has awaited it, cluster/serve/requests.py `await_grammars`.)"""
     cache_scope: str | None = ""
     """Whose earlier outputs suffix decoding may draft from, and under which scope this request's
     output is learned: the same scope only ("": one scope for everyone, as in-process runs have;

@@ -231,8 +231,9 @@ class SpecServer:
     # ---- gRPC -----------------------------------------------------------------------------------
 
     async def _request(self, message: pb.GenerateRequest, grpc_context) -> tuple[SpecService, GenerationRequest]:
-        """The request's service and engine request, built (tokenized, its grammar compiled) on a
-        worker thread: on the event loop, a large grammar would stall every stream while it compiles."""
+        """The request's service and engine request, built (tokenized, its grammar's compile started) on a
+        worker thread, not on the event loop, where it would stall every stream; the compile is awaited
+        on the loop, holding no worker thread (slow compiles would otherwise starve parsing)."""
         key_tenant = self.models.authorize(metadata_value(grpc_context, "authorization"))
         message = checked(message)
         if message.ByteSize() > self.models.limits.max_body_bytes:  # Serve's proxy takes up to 2 GiB
@@ -241,7 +242,9 @@ class SpecServer:
         service = self.models.resolve(message.model)
         options = options_from(message)
         options.tenant = service.tenant(key_tenant, metadata_value(grpc_context, TENANT_HEADER))  # what it may share
-        return service, await asyncio.to_thread(service.build_request, options)
+        request = await asyncio.to_thread(service.build_request, options, wait_for_grammar=False)
+        await service.await_grammars([request])
+        return service, request
 
     @staticmethod
     def _fail(grpc_context, error: Exception) -> None:

@@ -10,8 +10,9 @@ and reported back in a non-standard `speculation` object. `GET /health` answers 
 engine loop of the replica serves and 503 otherwise (a target group being rebuilt too), without an
 API key (as vLLM's does).
 
-A body is parsed, tokenized and its grammar compiled on a worker thread (`asyncio.to_thread`), not
-on the replica's event loop, where a large grammar would stall every stream while it compiles.
+A body is parsed and tokenized on a worker thread (`asyncio.to_thread`), not on the replica's event
+loop, where a large prompt would stall every stream; its grammar compiles on a compile thread, and the
+route awaits it on the loop, so slow compiles hold no parsing thread.
 """
 # no `from __future__ import annotations`: FastAPI must see real classes after Serve pickles the routes
 
@@ -261,8 +262,11 @@ async def _complete(served: ServedModels, tenant: str | None, request: Request, 
     request_id = uuid.uuid4().hex
     body = await _body(request, served.limits.max_body_bytes)
     # tokenizing, and compiling a grammar above all, would stall every stream of the replica on its
-    # event loop: a worker thread of the loop's (bounded) default executor does it
-    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers, tenant)
+    # event loop: a worker thread of the loop's (bounded) default executor parses and starts the compile,
+    # which is awaited here, so slow compiles hold none of those threads
+    call = await asyncio.to_thread(parse_call, body, served, chat, request_id, request.headers, tenant,
+                                   wait_for_grammar=False)
+    await call.await_grammars()
     service = call.service
     strings = service.token_strings if call.logprobs else None
     shape = ResponseShape(id=("chatcmpl-" if chat else "cmpl-") + request_id, created=int(time.time()), model=service.model_id,

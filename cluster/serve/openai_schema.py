@@ -10,7 +10,7 @@ lists every field and how it is served.
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.engine.request import GenerationOutput
 from cluster.engine.stats import mean_accepted_tokens
@@ -76,6 +76,16 @@ class Call:
     include_usage: bool
     logprobs: bool
     """Whether the client asked for log-probabilities (best_of asks the engine for them anyway)."""
+    renames: dict[str, str] = field(default_factory=dict)
+    """The wire name of each RequestOptions field the body gave under another (`_options`)."""
+
+    async def await_grammars(self) -> None:
+        """Its grammar, when parsed with `wait_for_grammar` False, awaited on the event loop; a refusal
+        names the body's field (response_format or structured_outputs)."""
+        try:
+            await self.service.await_grammars(self.samples.requests)
+        except InvalidRequest as error:
+            raise _renamed(error, self.renames) from None
 
     @property
     def prompt_tokens(self) -> int:
@@ -233,11 +243,13 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
 
 
 def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: str,
-               headers: Mapping[str, str] | None = None, key_tenant: str | None = None) -> Call:
+               headers: Mapping[str, str] | None = None, key_tenant: str | None = None, *,
+               wait_for_grammar: bool = True) -> Call:
     """The request a body asks for, from the tenant its API key names (`ServedModels.authorize`),
     checked field by field (InvalidRequest names the wire field;
-    ModelNotFound names a model that is not served). It tokenizes the prompt and compiles any
-    grammar, so the routes call it on a worker thread, not on the event loop."""
+    ModelNotFound names a model that is not served). It tokenizes the prompt and starts compiling any
+    grammar, so the routes call it on a worker thread, not on the event loop; with `wait_for_grammar`
+    False they then await the compile there (`Call.await_grammars`) rather than hold the thread."""
     body = _json_object(raw_body)
     service = models.resolve(body.get("model"))
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -246,14 +258,14 @@ def parse_call(raw_body: bytes, models: ServedModels, chat: bool, request_id: st
     headers = headers or {}  # who sent it: the cache scope of suffix decoding (limits.cache_sharing)
     fields["tenant"] = service.tenant(key_tenant, headers.get(TENANT_HEADER), body.get("user"))
     try:
-        samples = service.build_samples(service.parse_options(fields), request_id)
+        samples = service.build_samples(service.parse_options(fields), request_id, wait_for_grammar=wait_for_grammar)
     except InvalidRequest as error:
         raise _renamed(error, renames) from None
     if stream and len(samples.requests) > samples.n:
         raise InvalidRequest("best_of", "cannot be streamed (the best samples are known only at the end); "
                                         "drop stream or best_of")
     return Call(service=service, samples=samples, stream=stream, include_usage=include_usage,
-                logprobs=fields["logprobs"] is not None)
+                logprobs=fields["logprobs"] is not None, renames=renames)
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ may draft, and `speculation.method: off` is the one way to opt out.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import uuid
@@ -18,7 +19,7 @@ from typing import Literal, get_args
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.engine.config import EngineConfig, Method
-from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, CompileTimeout, GrammarCompiler, GrammarSpec
+from cluster.engine.grammar import CACHE_SIZE, CompiledGrammar, CompileTimeout, Compiling, GrammarCompiler, GrammarSpec
 from cluster.engine.request import GenerationRequest
 from cluster.serve.limits import ServiceLimits
 from cluster.serve.samples import Samples
@@ -226,7 +227,10 @@ class RequestBuilder:
             updates["confidence_threshold"] = speculation.confidence_threshold
         return self.default_lookahead.model_copy(update=updates)
 
-    def build_request(self, options: RequestOptions, request_id: str | None = None) -> GenerationRequest:
+    def build_request(self, options: RequestOptions, request_id: str | None = None, *,
+                      wait_for_grammar: bool = True) -> GenerationRequest:
+        """The engine request; `wait_for_grammar` False: a grammar still compiling is left in it as
+        `Compiling`, for the caller to await on its event loop (`await_grammars`) before running it."""
         max_new_tokens = options.max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
@@ -243,7 +247,7 @@ class RequestBuilder:
             max_new_tokens=max_new_tokens, stop=list(options.stop),
             speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
-            logprobs=options.logprobs, grammar=self._grammar(options.structured_output),
+            logprobs=options.logprobs, grammar=self._grammar(options.structured_output, wait_for_grammar),
             cache_scope=self._cache_scope(options.tenant, options.cache_salt),
         )
         try:
@@ -252,7 +256,7 @@ class RequestBuilder:
             raise InvalidRequest("prompt", str(error)) from None
         return request
 
-    def build_samples(self, options: RequestOptions, request_id: str) -> Samples:
+    def build_samples(self, options: RequestOptions, request_id: str, *, wait_for_grammar: bool = True) -> Samples:
         """The engine requests behind a call's `n` choices (the best `n` of `best_of` when more).
 
         A greedy call is deterministic, so its `n` choices are copies of one request's output (as
@@ -266,7 +270,7 @@ class RequestBuilder:
             raise InvalidRequest("n" if options.best_of is None else "best_of", f"must be at most {self.limits.max_n}")
         if best_of > n and options.logprobs is None:  # ranking needs each sample's log-probability
             options = options.model_copy(update={"logprobs": 0})
-        first = self.build_request(options, request_id)
+        first = self.build_request(options, request_id, wait_for_grammar=wait_for_grammar)
         if first.sampling.greedy or best_of == 1:
             return Samples([first], n)
         seed = first.sampling.seed
@@ -274,7 +278,8 @@ class RequestBuilder:
                                 sampling=replace(first.sampling, seed=None if seed is None else seed + i))
                         for i in range(best_of)], n)
 
-    def _grammar(self, structured: StructuredOutput | None) -> CompiledGrammar | None:
+    def _grammar(self, structured: StructuredOutput | None, wait: bool) -> CompiledGrammar | Compiling | None:
+        """The compiled grammar; with `wait` False, its compile (still running) rather than a wait for it."""
         if structured is None:
             return None
         if structured.kind != "json_object" and not structured.value:
@@ -282,12 +287,30 @@ class RequestBuilder:
         if len(structured.value or "") > self.limits.max_grammar_chars:
             raise InvalidRequest("structured_output", f"has {len(structured.value)} characters; the limit is "
                                                       f"{self.limits.max_grammar_chars}")
-        timeout = self.limits.grammar_compile_timeout_s
+        compiling = self.grammars.start(GrammarSpec(structured.kind, structured.value))
+        if not wait and not compiling.done:
+            return compiling
+        with self._grammar_refusals():
+            return compiling.result(self.limits.grammar_compile_timeout_s)
+
+    async def await_grammars(self, requests: list[GenerationRequest]) -> None:
+        """Puts in each request built with `wait_for_grammar` False its compiled grammar, awaited on the
+        event loop: a thread per slow compile, each waiting out its deadline, would starve the parsing of
+        every other request. InvalidRequest as `build_request` raises it (compile deadline, bad spec)."""
+        for request in requests:
+            if isinstance(request.grammar, Compiling):
+                with self._grammar_refusals():
+                    request.grammar = await request.grammar.compiled(self.limits.grammar_compile_timeout_s)
+
+    @contextlib.contextmanager
+    def _grammar_refusals(self):
+        """A spec that does not compile, or not in time, as InvalidRequest naming structured_output."""
         try:
-            return self.grammars.compile(GrammarSpec(structured.kind, structured.value), timeout)
+            yield
         except ValueError as error:
             raise InvalidRequest("structured_output", str(error)) from None
         except CompileTimeout:
+            timeout = self.limits.grammar_compile_timeout_s
             raise InvalidRequest("structured_output", f"did not compile within the server's {timeout:g} s "
                                                       "(limits.grammar_compile_timeout_s); simplify it, or send it "
                                                       "again later: its compile goes on") from None

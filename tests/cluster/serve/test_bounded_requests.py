@@ -1,12 +1,14 @@
 """Every request is bounded before it costs much: its body's bytes (413), its chat messages (400
 naming `messages`) and its grammar's compile time (400 naming the field that gave it), compiles on
-threads of their own; every limit is in `limits.*` with a description. A tiny model served by uvicorn
+threads of their own and awaited on the event loop, so slow ones starve no parsing; every limit is in
+`limits.*` with a description. A tiny model served by uvicorn
 (HTTP) and SpecServer's gRPC methods called without Ray."""
 from __future__ import annotations
 
 import asyncio
 import http.client
 import json
+import os
 import threading
 import time
 
@@ -116,6 +118,38 @@ def test_a_grammar_past_its_compile_deadline_is_refused_naming_its_field(served,
     finally:
         slow.released.set()
     assert slow.threads and all(name.startswith("grammar-compile") for name in slow.threads)
+
+
+def test_slow_compiles_hold_none_of_the_threads_that_parse_requests(served, monkeypatch):
+    """More requests waiting on slow compiles than the event loop's default executor has threads (where
+    requests are parsed): a plain request is still parsed and answered while every one of them waits."""
+    service, port = served
+    monkeypatch.setattr(service, "limits", service.limits.model_copy(update={"grammar_compile_timeout_s": 30.0}))
+    slow = SlowCompile(service, monkeypatch)
+    waiting = min(32, (os.cpu_count() or 1) + 4) + 4  # ThreadPoolExecutor's default size, and more
+    asked = service.grammars.cache_info()["misses"] + waiting
+    answers: list[tuple[int, dict]] = []
+
+    def constrained(index: int) -> None:
+        answers.append(post(port, "/v1/completions", {
+            "model": MODEL_ID, "prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": f"(starve{index})+"}}))
+
+    clients = [threading.Thread(target=constrained, args=(index,), daemon=True) for index in range(waiting)]
+    try:
+        for client in clients:
+            client.start()
+        until = time.monotonic() + 10
+        while service.grammars.cache_info()["misses"] < asked and time.monotonic() < until:
+            time.sleep(0.05)
+        status, answer = post(port, "/v1/completions", {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2})
+        assert status == 200, answer
+        assert not answers, "a plain request waited for slow compiles"
+        assert service.grammars.cache_info()["misses"] == asked  # every slow one was parsed and is waiting
+    finally:
+        slow.released.set()
+        for client in clients:
+            client.join(60)
+    assert sorted(status for status, _ in answers) == [200] * waiting, answers
 
 
 def test_every_limit_has_a_description():
