@@ -37,6 +37,36 @@ __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
   for (int64_t j = 0; j < count; ++j) x[j] = specserve_kernels::exp_approx(x[j]);
 }
 
+#ifdef __AVX512F__
+// 16 rows of 16 floats (row j at src + j * src_stride) written as 16 columns (column j of row i at
+// dst + i * dst_stride + j), in registers: 64 shuffles instead of 16 gathers (16 decoding rows, 30
+// layers of the default target in bfloat16: 7.8 -> 6.5 ms).
+inline void transpose_16x16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of neighbouring rows
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs: 4 rows a 128-bit lane
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int half = 0; half < 16; half += 8)  // 128-bit lanes of rows 0-7, then 8-15
+    for (int i = 0; i < 4; ++i) {
+      t[half + i] = _mm512_shuffle_f32x4(r[half + i], r[half + i + 4], 0x88);
+      t[half + i + 4] = _mm512_shuffle_f32x4(r[half + i], r[half + i + 4], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * dst_stride, r[i]);
+}
+#endif
+
 // Block columns as floats: keys transposed [dim][kBlock] (scores then vectorize over columns, with
 // no horizontal sums), values [kBlock][dim]. Columns past `size` get zero keys.
 template <typename T>
@@ -53,12 +83,8 @@ void load_block(const T* keys, const T* values, const int64_t* positions, int64_
     for (int64_t i = 0; i < dim; ++i) staged[j * dim + i] = 0.f;
 #ifdef __AVX512F__
   if (dim % 16 == 0) {
-    const __m512i column_offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                       _mm512_set1_epi32(static_cast<int>(dim)));
     for (int64_t first = 0; first < kBlock; first += 16)
-      for (int64_t i = 0; i < dim; ++i)
-        _mm512_store_ps(keys_t + i * kBlock + first,
-                        _mm512_i32gather_ps(column_offsets, staged + first * dim + i, sizeof(float)));
+      for (int64_t i = 0; i < dim; i += 16) transpose_16x16(staged + first * dim + i, dim, keys_t + i * kBlock + first, kBlock);
     return;
   }
 #endif
