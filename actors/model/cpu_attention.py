@@ -8,10 +8,12 @@ fixed order whatever else the call holds. So a verified token's attention has ex
 the same token decoded alone, and the call costs less (measured: docs/benchmarks.md, "Measurements
 behind the code").
 
-Prompt chunks, where the work is matrix products torch's kernel does faster (in bfloat16 with AMX
-tiles), take torch's kernel: one sequence at a time, PROMPT_ROWS rows a call against the positions
-those rows see; a sequence whose blocks are not adjacent (a cached prefix held where it lies) in
-parts merged by log-sum-exp. Without our kernel (no compiler), or in float64, every row takes that path.
+In bfloat16 and float16 prompt rows take our kernel too: a prompt token's K/V must not depend on how
+the prompt was chunked (a cached prefix, a resumed request), which torch's kernel does not promise.
+In float32, prompt chunks, where torch's kernel is faster, take it: one sequence at a time,
+PROMPT_ROWS rows a call against the positions those rows see; a sequence whose blocks are not
+adjacent (a cached prefix held where it lies) in parts merged by log-sum-exp. Without our kernel (no
+compiler), or in float64, every row takes that path.
 """
 from __future__ import annotations
 

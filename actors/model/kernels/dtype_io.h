@@ -20,6 +20,18 @@ inline void put(float* at, float x) { *at = x; }
 inline void put(uint16_t* at, float x) { *at = to_bfloat16_bits(x); }
 inline void put(c10::Half* at, float x) { *at = static_cast<c10::Half>(x); }
 
+// Calls `run` with a value of the kernels' element type for `type` (float, bfloat16's bits as
+// uint16_t, c10::Half), so each kernel instantiates its template once per dtype in one place.
+template <typename Run>
+void with_element_type(at::ScalarType type, Run&& run) {
+  switch (type) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(uint16_t{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
+  }
+}
+
 // A tensor's elements as T (uint16_t for bfloat16).
 template <typename T>
 T* elements(const at::Tensor& tensor) {

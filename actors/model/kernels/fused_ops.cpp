@@ -15,6 +15,7 @@ constexpr int64_t kLanes = 16;
 
 using specserve_kernels::elements;
 using specserve_kernels::put;
+using specserve_kernels::with_element_type;
 using specserve_kernels::to_float;
 
 // hidden + delta (when given, rounded to hidden's dtype as a separate add would), and that sum's
@@ -63,18 +64,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
   at::Tensor sum = delta.has_value() ? at::empty_like(hidden) : hidden;
   at::Tensor out = at::empty_like(hidden);
   const float e = static_cast<float>(eps);
-  switch (hidden.scalar_type()) {
-#define RUN(type)                                                                                                        \
-  add_rms_norm_rows<type>(elements<type>(hidden), delta.has_value() ? elements<type>(*delta) : nullptr,               \
-                          elements<type>(weight_c), elements<type>(sum), elements<type>(out), hidden.size(0),          \
-                          hidden.size(1), e);                                                                            \
-  break;
-    case at::kFloat: RUN(float)
-    case at::kBFloat16: RUN(uint16_t)
-    case at::kHalf: RUN(c10::Half)
-#undef RUN
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-  }
+  with_element_type(hidden.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    add_rms_norm_rows<T>(elements<T>(hidden), delta.has_value() ? elements<T>(*delta) : nullptr, elements<T>(weight_c),
+                         elements<T>(sum), elements<T>(out), hidden.size(0), hidden.size(1), e);
+  });
   return {sum, out};
 }
 
@@ -101,14 +95,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 x width]");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  switch (gate_up.scalar_type()) {
-    case at::kFloat: silu_and_mul_rows<float>(elements<float>(gate_up), elements<float>(out), rows, width); break;
-    case at::kBFloat16:
-      silu_and_mul_rows<uint16_t>(elements<uint16_t>(gate_up), elements<uint16_t>(out), rows, width);
-      break;
-    case at::kHalf: silu_and_mul_rows<c10::Half>(elements<c10::Half>(gate_up), elements<c10::Half>(out), rows, width); break;
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-  }
+  with_element_type(gate_up.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    silu_and_mul_rows<T>(elements<T>(gate_up), elements<T>(out), rows, width);
+  });
   return out;
 }
 
@@ -153,18 +143,11 @@ at::Tensor rotary_and_write(const at::Tensor& qkv, const at::Tensor& cos, const 
   TORCH_CHECK(storage.scalar_type() == at::kLong && storage.is_contiguous() && storage.numel() == tokens, "int64 storage [tokens]");
   TORCH_CHECK(dim % 2 == 0, "an even head dimension");
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
-  switch (qkv.scalar_type()) {
-#define RUN(type)                                                                                                        \
-  rotary_rows<type>(elements<type>(qkv), elements<float>(cos), elements<float>(sin), elements<type>(keys),           \
-                    elements<type>(values), storage.data_ptr<int64_t>(), elements<type>(q), tokens, heads, kv_heads,  \
-                    dim, stored);                                                                                        \
-  break;
-    case at::kFloat: RUN(float)
-    case at::kBFloat16: RUN(uint16_t)
-    case at::kHalf: RUN(c10::Half)
-#undef RUN
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-  }
+  with_element_type(qkv.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    rotary_rows<T>(elements<T>(qkv), elements<float>(cos), elements<float>(sin), elements<T>(keys), elements<T>(values),
+                   storage.data_ptr<int64_t>(), elements<T>(q), tokens, heads, kv_heads, dim, stored);
+  });
   return q;
 }
 

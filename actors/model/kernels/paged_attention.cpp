@@ -31,6 +31,7 @@ constexpr int64_t kMaxGroup = 16;  // query heads per kv head
 
 using specserve_kernels::elements;
 using specserve_kernels::put;
+using specserve_kernels::with_element_type;
 using specserve_kernels::to_float;
 
 __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
@@ -355,18 +356,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   TORCH_CHECK(dim <= kMaxDim && keys.size(2) == dim, "head dimension at most 256");
   TORCH_CHECK(query.size(1) % keys.size(0) == 0 && query.size(1) / keys.size(0) <= kMaxGroup, "query heads per kv head");
   at::Tensor out = at::empty_like(query);
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      run<float>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
-      break;
-    case at::kBFloat16:
-      run<uint16_t>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
-      break;
-    default: TORCH_CHECK(false, "float32, bfloat16 or float16 only");
-  }
+  with_element_type(query.scalar_type(), [&](auto zero) {
+    run<decltype(zero)>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+  });
   return out;
 }
 
