@@ -39,8 +39,8 @@ class Segment:
     """Leading positions every new token attends (the committed context), which the split
     attention backend reads without a mask; 0 leaves the whole span to the mask."""
     prompt: bool = False
-    """Prompt tokens (prefill: no token's logits wanted but the last), which a CPU attends with
-    torch's kernel rather than ours (cpu_attention.py)."""
+    """Prompt tokens (prefill: no token's logits wanted but the last), which a CPU in float32 attends
+    with torch's kernel rather than ours (cpu_attention.py)."""
 
     @property
     def end(self) -> int:

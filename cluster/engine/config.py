@@ -187,8 +187,8 @@ class EngineConfig(SchedulerConfig):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="weights and KV cache dtype; auto: bfloat16 on a GPU, and on a CPU with native "
         "bfloat16 (AVX512-BF16 or AMX) where its products are exact per row (actors/model/precision.py), else "
-        "float32. On a CPU speculative greedy output is plain decoding's token for token in either; on a GPU, "
-        "bfloat16 can part at a near-tie (docs/lossless.md)")
+        "float32. On a CPU speculative greedy output is plain decoding's bit for bit in bfloat16, and in float32 has "
+        "been in every run but is not guaranteed; on a GPU either can part at a near-tie (docs/lossless.md)")
     device: str = Field("cpu", description="torch device of the model")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads in each target shard and draft actor; null: the cores the process "
