@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from bench.lossless import report as lossless
     from cluster.serve import grpc_tls
-    from specserve import train
+    from specserve import datastore, train
 
     parser = Parser(prog="specserve", description="Lossless tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                              formatter_class=defaults)
     train.add_arguments(trainer)
     trainer.set_defaults(func=train.run)
+
+    store = sub.add_parser("build-datastore", help="REST's datastore: a corpus tokenized with the target's tokenizer, "
+                           "and its suffix array", formatter_class=defaults)
+    datastore.add_arguments(store)
+    store.set_defaults(func=datastore.run)
 
     cluster = sub.add_parser("cluster-bench", help="concurrent requests through a Ray cluster (fake GPUs on CPU)",
                              formatter_class=defaults)

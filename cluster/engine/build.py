@@ -21,11 +21,13 @@ from cluster.engine.cost import CostCurve, cache_key
 from cluster.engine.cost import measure as measure_cost
 from cluster.engine.request import GenerationRequest
 from cluster.engine.spec_engine import SpecEngine
+from speculators.datastore import Datastore, tokenizer_fingerprint
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.base import Proposer
 from speculators.proposers.draft_model import DraftModelProposer
 from speculators.proposers.hybrid import HybridProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from speculators.proposers.rest import RestProposer
 from speculators.proposers.suffix import SuffixProposer
 from speculators.train.recorder import Decode, Decoder
 
@@ -41,6 +43,8 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
                                     config.prompt_lookup_max_branches)
     if config.method == "suffix":
         return suffix_proposer(config)
+    if config.method == "rest":
+        return rest_proposer(config)
     dtype = getattr(torch, config.dtype)
     if config.method in HEAD_METHODS:
         source = resolve_head(config.method, config.draft, config.model)
@@ -72,6 +76,16 @@ def suffix_proposer(config: EngineConfig) -> SuffixProposer:
                           min_token_prob=config.suffix_decoding_min_token_prob,
                           max_cached_tokens=config.suffix_decoding_max_cached_tokens,
                           max_cached_bytes=config.suffix_decoding_max_cached_bytes)
+
+
+def rest_proposer(config: EngineConfig) -> RestProposer:
+    """REST over `rest_datastore`, refused when the datastore's token ids are another tokenizer's:
+    its drafts would still be verified losslessly, but never accepted."""
+    datastore = Datastore.open(config.rest_datastore)
+    if datastore.manifest["tokenizer"] != tokenizer_fingerprint(load_tokenizer(config.model)):
+        raise ValueError(f"rest_datastore {config.rest_datastore!r} was built with the tokenizer of "
+                         f"{datastore.manifest.get('model')!r}, not with the target's ({config.model!r})")
+    return RestProposer(datastore, config.rest_max_match, max_occurrences=config.rest_max_occurrences)
 
 
 def local_engine(
@@ -149,6 +163,9 @@ ENGINE_OPTIONS = {
     ("--pld-tokens", "--prompt-lookup-num-tokens"): "prompt_lookup_num_tokens",
     ("--pld-ngram", "--prompt-lookup-max-ngram-size"): "prompt_lookup_max_ngram_size",
     ("--pld-branches", "--prompt-lookup-max-branches"): "prompt_lookup_max_branches",
+    ("--rest-datastore",): "rest_datastore",
+    ("--rest-max-match",): "rest_max_match",
+    ("--rest-max-occurrences",): "rest_max_occurrences",
     ("--max-tree-nodes",): "max_tree_nodes",
     ("--max-len",): "max_len",
     ("--kv-cache-bytes",): "kv_cache_bytes",

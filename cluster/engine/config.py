@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import torch
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from actors.model.config import DecoderConfig
 from actors.model.kv_cache import KVCache
 from actors.model.loader import DEFAULT_MODEL
 from actors.model.precision import resolve_dtype
 from actors.target_worker import CacheOptions
+from speculators.datastore import read_manifest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers import prompt_lookup as pld
-from speculators.proposers import suffix
+from speculators.proposers import rest, suffix
 
-Method = Literal["none", "pld", "suffix", "draft", "eagle3", "medusa"]
+Method = Literal["none", "pld", "suffix", "rest", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
@@ -141,7 +142,8 @@ class EngineConfig(SchedulerConfig):
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field(
         "suffix", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
-        "the request's own text and earlier outputs), draft (a draft model), or a trained head reading the "
+        "the request's own text and earlier outputs), rest (retrieval from the corpus of rest_datastore), draft (a "
+        "draft model), or a trained head reading the "
         "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint) or medusa")
     draft: str = Field(
         "layer-skip:6",
@@ -184,6 +186,16 @@ class EngineConfig(SchedulerConfig):
         suffix.MAX_CACHED_BYTES, ge=1 << 16, description="suffix decoding: memory of the index of earlier outputs per draft "
         "actor, all cache scopes together, in bytes as estimated from its parts (oldest outputs evicted; ~440 bytes per "
         "learned token on Spec-Bench text, so the token bound binds first at the defaults); null: the token bound alone")
+    rest_datastore: str | None = Field(
+        None, validate_default=True, description="method=rest: the datastore folder `specserve build-datastore` "
+        "wrote from the operator's corpus with the target's tokenizer (read-only and memory-mapped, shared by every "
+        "tenant and drafter)")
+    rest_max_match: int = Field(
+        rest.MAX_MATCH, ge=rest.MIN_MATCH, le=64, description="REST: longest suffix of the context looked up in the "
+        f"datastore (the longest that occurs, down to {rest.MIN_MATCH} tokens, is used)")
+    rest_max_occurrences: int = Field(
+        rest.MAX_OCCURRENCES, ge=1, le=65536, description="REST: most occurrences of the matched suffix whose "
+        "continuations are counted into the draft tree (evenly spaced over all of them)")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="weights and KV cache dtype; auto: bfloat16 on a GPU, and on a CPU with native "
         "bfloat16 (AVX512-BF16 or AMX) where its products are exact per row (actors/model/precision.py), else "
@@ -201,6 +213,17 @@ class EngineConfig(SchedulerConfig):
         "sdpa", description="attention kernel: sdpa (one masked attention over each sequence's cache) or split "
         "(the committed prefix without a mask, through vllm_flash_attn when it imports on CUDA, merged with the "
         "tree block's masked attention by log-sum-exp)")
+
+    @field_validator("rest_datastore")
+    @classmethod
+    def _readable_datastore(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Required by method rest, and read where the config is checked, so that a wrong path fails
+        at startup rather than in a drafter."""
+        if value is None and info.data.get("method") == "rest":
+            raise ValueError("method rest needs a datastore: a folder written by `specserve build-datastore`")
+        if value is not None:
+            read_manifest(value)
+        return value
 
     @model_validator(mode="after")
     def _resolve_auto_dtype(self) -> EngineConfig:

@@ -1,6 +1,6 @@
 """Draft trees from counted continuations: what followed earlier occurrences of the text's suffix.
 
-Shared by the draftless proposers (prompt lookup, suffix decoding). A continuation node's
+Shared by the draftless proposers (prompt lookup, suffix decoding, REST). A continuation node's
 confidence is the share of the occurrences reaching its parent that continue with its token,
 shrunk less the longer the matched run is (the matched suffix plus the path down to the node):
 a token that followed a 12-token run is a safer bet than one that followed a single token.
@@ -22,6 +22,30 @@ Expand = Callable[[State], Sequence[tuple[int, int, State]]]
 def confidence(count: int, parent_total: int, run_length: int) -> float:
     """P(next token) estimate from counts: count / (parent total + 1 / run length)."""
     return count / (parent_total + 1.0 / run_length)
+
+
+Children = dict[tuple[int, ...], list[tuple[int, int, tuple[int, ...]]]]
+"""A trie of counted continuations as `best_first_tree` expands it: prefix -> [(token, count, child prefix)]."""
+
+
+def counted_continuations(follows: Sequence[Sequence[int]]) -> Children:
+    """The token runs that followed each occurrence of a match, counted into a trie (expand a node
+    with `children.get(prefix, [])`, from the empty prefix; the root's total is len(follows))."""
+    counts: dict[tuple[int, ...], int] = {}
+    for follow in follows:
+        for depth in range(1, len(follow) + 1):
+            prefix = tuple(follow[:depth])
+            counts[prefix] = counts.get(prefix, 0) + 1
+    children: Children = {}
+    for prefix, count in counts.items():
+        children.setdefault(prefix[:-1], []).append((prefix[-1], count, prefix))
+    return children
+
+
+def draft_depth(num_speculative_tokens: int, match_length: int, max_spec_factor: float) -> int:
+    """How deep a lookup drafts: within the lookahead, at most `max_spec_factor` tokens per matched
+    token, so a longer match (stronger evidence) earns a deeper draft."""
+    return min(num_speculative_tokens, max(1, int(max_spec_factor * match_length)))
 
 
 def best_first_tree(root_token: int, root: State, total: int, expand: Expand, match_length: int,

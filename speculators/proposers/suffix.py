@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 from speculators.proposers.base import DraftRequest, Proposer
-from speculators.proposers.continuations import best_first_tree, merge_trees
+from speculators.proposers.continuations import best_first_tree, counted_continuations, draft_depth, merge_trees
 from speculators.proposers.prompt_lookup import MAX_OCCURRENCES, NgramIndex
 from speculators.tree import DraftTree
 
@@ -275,22 +275,6 @@ class SuffixCache:
         return None if trie is None else trie.match(context)
 
 
-Children = dict[tuple[int, ...], list[tuple[int, int, tuple[int, ...]]]]
-
-
-def _children(follows: list[list[int]]) -> Children:
-    """Counted continuations of a request's own earlier occurrences: prefix -> [(token, count, child prefix)]."""
-    counts: dict[tuple[int, ...], int] = {}
-    for follow in follows:
-        for depth in range(1, len(follow) + 1):
-            prefix = tuple(follow[:depth])
-            counts[prefix] = counts.get(prefix, 0) + 1
-    children: Children = {}
-    for prefix, count in counts.items():
-        children.setdefault(prefix[:-1], []).append((prefix[-1], count, prefix))
-    return children
-
-
 class SuffixProposer(Proposer):
     name = "suffix"
     provides_probabilities = False
@@ -332,7 +316,7 @@ class SuffixProposer(Proposer):
         return merge_trees(found, request.max_nodes) if found else DraftTree.root_only(root)
 
     def _tree(self, request: DraftRequest, root, total: int, expand, match_length: int) -> DraftTree:
-        depth = min(request.num_speculative_tokens, max(1, int(self.max_spec_factor * match_length)))
+        depth = draft_depth(request.num_speculative_tokens, match_length, self.max_spec_factor)
         return best_first_tree(request.token_ids[-1], root, total, expand, match_length, request.max_nodes,
                                depth, self.min_token_prob, request.confidence_threshold)
 
@@ -344,7 +328,7 @@ class SuffixProposer(Proposer):
             if earlier:
                 # most recent first: among equally frequent continuations, the latest wins (prompt lookup's rule)
                 follows = [tokens[end:end + request.num_speculative_tokens] for end in reversed(earlier[-MAX_OCCURRENCES:])]
-                children = _children(follows)
+                children = counted_continuations(follows)
                 return self._tree(request, (), len(follows), lambda prefix: children.get(prefix, []), size)
         return None
 
