@@ -114,12 +114,14 @@ DRAFTERS = {
     "draft": {"method": "draft", "draft": "<draft model>"},
     "layer-skip": {"method": "draft", "draft": "layer-skip:1"},
     "suffix": {"method": "suffix", "suffix_decoding_max_spec_factor": 2.0},
+    "rest": {"method": "rest", "rest_datastore": "<rest datastore>"},
     "eagle3": {"method": "eagle3", "draft": "<eagle3 head>"},
     "medusa": {"method": "medusa", "draft": "<medusa head>"},
     "suffix-eagle3": {"method": "eagle3", "draft": "<eagle3 head>", "suffix_min_score": 1.0},
 }
-"""EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>' and '<medusa head>' stand for
-the paths of the separate tiny draft and of the random heads (engines.PLACEHOLDERS)."""
+"""EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>', '<medusa head>' and '<rest
+datastore>' stand for the paths of the separate tiny draft, of the random heads and of a datastore of the
+target's samples (engines.PLACEHOLDERS)."""
 
 TREE = {"draft_width": 3}
 TIGHT_KV = {"kv_positions": 32 * 32, "block_size": 4, "prefill_chunk_tokens": 6}
@@ -151,6 +153,7 @@ CASES = [
     Case("layer-skip-chain", "layer-skip", CORE_SAMPLES, core=True),
     Case("layer-skip-tree", "layer-skip", CORE_SAMPLES, engine=TREE, core=True),
     Case("suffix-tree", "suffix"),
+    Case("rest-tree", "rest"),
     Case("eagle3-chain", "eagle3"),
     Case("eagle3-tree", "eagle3", engine=TREE),
     Case("medusa-tree", "medusa"),
@@ -158,6 +161,7 @@ CASES = [
     # the planner cutting trees (deterministic trees) and sizing drafts (a costly drafter)
     Case("pld-tree-planned", "pld-tree", planned=True, lookahead=CONFIDENCE),
     Case("suffix-tree-planned", "suffix", planned=True, lookahead=CONFIDENCE),
+    Case("rest-tree-planned", "rest", planned=True, lookahead=CONFIDENCE),
     Case("draft-tree-planned", "draft", planned=True, lookahead=CONFIDENCE, engine=TREE),
     # lookahead policies
     Case("pld-tree-heuristic", "pld-tree", lookahead=HEURISTIC),
@@ -198,6 +202,7 @@ CASES += [
     # the keyed rule (seeded requests): every drafter, the planner, shaping, batching, pipelining, Ray
     Case("keyed-pld-tree", "pld-tree", **KEYED),
     Case("keyed-suffix-tree", "suffix", **KEYED),
+    Case("keyed-rest-tree", "rest", **KEYED),
     Case("keyed-draft-tree", "draft", engine=TREE, **KEYED),
     Case("keyed-layer-skip-chain", "layer-skip", **KEYED),
     Case("keyed-eagle3-tree", "eagle3", engine=TREE, **KEYED),

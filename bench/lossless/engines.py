@@ -61,7 +61,8 @@ class CaseRun:
     """Prompt tokens found in the prefix cache, over all requests."""
 
 
-PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir"}
+PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir",
+                "<rest datastore>": "rest_datastore_dir"}
 """DRAFTERS values that stand for a folder of TinyModels (the attribute that writes it)."""
 
 

@@ -20,7 +20,9 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
 
+from bench.lossless.cases import LONG_PROMPT, PROMPT, SHORT_PROMPT
 from bench.lossless.heads import write_eagle3, write_medusa
+from speculators.datastore import tokenizer_fingerprint, write_datastore
 from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams, warp
 
@@ -28,6 +30,8 @@ VOCAB = 12
 TARGET_SEED, DRAFT_SEED = 0, 1
 INITIALIZER_RANGE = 0.3
 """Wide enough that conditionals differ from prefix to prefix and top-k / top-p cut real mass."""
+CORPUS_PROMPTS = (PROMPT, SHORT_PROMPT, LONG_PROMPT)
+CORPUS_SAMPLES, CORPUS_TOKENS, CORPUS_SEED = 64, 8, 2
 
 
 def tiny_llama(seed: int, num_layers: int) -> LlamaForCausalLM:
@@ -51,8 +55,8 @@ def save_with_tokenizer(model: LlamaForCausalLM, path: Path) -> Path:
 
 @dataclass
 class TinyModels:
-    """The target (2 layers; its first layer is the layer-skip draft), a separate 1-layer draft, and
-    random EAGLE-3 and Medusa heads for the target (heads.py)."""
+    """The target (2 layers; its first layer is the layer-skip draft), a separate 1-layer draft,
+    random EAGLE-3 and Medusa heads for the target (heads.py), and a REST datastore."""
 
     root: Path
 
@@ -75,6 +79,21 @@ class TinyModels:
     @cached_property
     def medusa_dir(self) -> Path:
         return write_medusa(self.reference.config, self.root / "medusa")
+
+    @cached_property
+    def rest_datastore_dir(self) -> Path:
+        """A REST datastore of the target's own samples after the cases' prompts (CORPUS_SAMPLES
+        each), so that its drafts are often right and often wrong: both ways the verifier is tried."""
+        torch.manual_seed(CORPUS_SEED)
+        documents = []
+        for prompt in CORPUS_PROMPTS:
+            with torch.no_grad():
+                samples = self.reference.generate(torch.tensor([prompt]).expand(CORPUS_SAMPLES, -1), do_sample=True,
+                                                  max_new_tokens=CORPUS_TOKENS, min_new_tokens=CORPUS_TOKENS, top_k=0)
+            documents += samples.tolist()
+        fingerprint = tokenizer_fingerprint(PreTrainedTokenizerFast.from_pretrained(self.target_dir))
+        write_datastore(self.root / "rest", documents, fingerprint, VOCAB, model=str(self.target_dir))
+        return self.root / "rest"
 
     def distribution(self, prompt: tuple[int, ...], sampling: SamplingParams, new_tokens: int,
                      penalties: Penalties | None = None, rule: TokenRule | None = None) -> SequenceDistribution:
