@@ -37,12 +37,13 @@ bench: setup
 # nice 15, so any other busy process on the machine (a load generator, a build) would take the CPU
 # from the model; here the model is the machine's job, so workers run at the usual priority.
 METRICS_PORT ?= 8080
+CONFIG ?= configs/serve.yaml
 serve: setup
 	@export RAY_AUTH_MODE=disabled RAY_worker_niceness=0; \
 	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
 		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
 	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT INT TERM; \
-	$(VENV)/bin/serve run --address auto configs/serve.yaml
+	$(VENV)/bin/serve run --address auto $(CONFIG)
 
 # regenerate the committed gRPC modules after editing protos/specserve.proto
 protos: setup

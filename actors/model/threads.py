@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
+from time import perf_counter  # not `time.`: tests give CoreShare a clock of their own
 
 import torch
 
@@ -69,15 +71,61 @@ def _busy_seconds(cpus: frozenset[int]) -> float | None:
     return ticks / CLOCK_TICKS
 
 
+PASS_THREAD_NAME = "specserve-pass"
+"""The OS name (Linux `comm`) of the threads that run passes: the calling thread and its OpenMP threads."""
+PROBE_SECONDS = 0.06
+"""How long the probe that finds OpenMP threads already started computes: several clock ticks (the
+resolution of a thread's CPU time) for each of them."""
+
+
+def name_pass_thread(most: int | None = None) -> None:
+    """Name the calling thread and its OpenMP threads, so their run-queue waits can be told from the
+    waits of the process's other threads (a Serve replica's event loop, Ray's own threads), which
+    wait whenever the passes hold both cores. OpenMP threads started later inherit the name; those
+    already started are the threads that compute while this thread runs a parallel operation on
+    `most` threads (the most its passes will use; None: torch's count now)."""
+    now = torch.get_num_threads()
+    try:
+        (TASKS / str(threading.get_native_id()) / "comm").write_text(PASS_THREAD_NAME)
+        before = _cpu_ticks()
+        torch.set_num_threads(most or now)
+        probe, deadline = torch.ones(256, 256), perf_counter() + PROBE_SECONDS
+        while perf_counter() < deadline:
+            probe = torch.tanh(probe @ probe)
+        for thread, ticks in _cpu_ticks().items():
+            if ticks - before.get(thread, ticks) > 0:
+                (TASKS / thread / "comm").write_text(PASS_THREAD_NAME)
+    except OSError:  # not Linux: every thread's waits count
+        pass
+    finally:
+        torch.set_num_threads(now)
+
+
+def _cpu_ticks() -> dict[str, int]:
+    """CPU time (clock ticks) of each thread of the process not named yet."""
+    ticks = {}
+    for thread in os.listdir(TASKS):
+        try:
+            stat = (TASKS / thread / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if _comm(thread) != PASS_THREAD_NAME:
+            ticks[thread] = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
 def _waiting_seconds() -> float | None:
-    """Seconds this process's threads have spent runnable but waiting for a CPU, summed (the
-    scheduler's per-thread schedstat; None where the kernel keeps none)."""
+    """Seconds the threads that run passes (named by `name_pass_thread`; every thread of the process
+    where none is) have spent runnable but waiting for a CPU, summed (the scheduler's per-thread
+    schedstat; None where the kernel keeps none)."""
     try:
         threads = os.listdir(TASKS)
     except OSError:
         return None
+    named = {thread for thread in threads if _comm(thread) == PASS_THREAD_NAME}
     total, seen = 0, False
-    for thread in threads:
+    for thread in named or threads:
         try:
             total += int((TASKS / thread / "schedstat").read_text().split()[1])
             seen = True
@@ -86,11 +134,18 @@ def _waiting_seconds() -> float | None:
     return total / 1e9 if seen else None
 
 
+def _comm(thread: str) -> str | None:
+    try:
+        return (TASKS / thread / "comm").read_text().strip()
+    except OSError:
+        return None
+
+
 class CoreShare:
     """How many threads to run torch on, from whether they get the cores they ask for.
 
     A torch thread is never left runnable without a core on a machine it has to itself: it computes,
-    spins at a barrier, or sleeps. Time the process's threads spend runnable but waiting for a core
+    spins at a barrier, or sleeps. Time the pass threads spend runnable but waiting for a core
     (the scheduler's run-queue wait) is time another process held the cores they asked for, and
     with barriers every pass, one waiting thread holds up the others. Sampled every `interval`
     seconds: when half a thread or more waited through two intervals in a row (a busy moment of the
@@ -107,6 +162,7 @@ class CoreShare:
     IDLE_TO_ADD = 0.5  # idle cores beside the threads in use before one is taken back
 
     def __init__(self, most: int, interval: float = 0.25):
+        name_pass_thread(most)  # made on the thread that runs the passes
         self.most = most
         self.threads = most
         self.interval = interval

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.spec_engine import SpecEngine, StepEvent
@@ -20,15 +21,21 @@ EventCallback = Callable[[StepEvent], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: SpecEngine, name: str = "engine"):
-        self.engine = engine
+    def __init__(self, engine: SpecEngine | Callable[[], SpecEngine], name: str = "engine"):
+        """`engine`, or a function that builds it: called first thing on the loop's thread, and its
+        error raised here. A target in this process is built that way, because torch work on a CPU
+        runs fastest on the one thread that loaded and runs the model (actors/worker.py LocalWorker)."""
+        build = None if isinstance(engine, SpecEngine) else engine
+        self.engine: SpecEngine = engine if build is None else None
         self._inbox: queue.Queue = queue.Queue()
         self._callbacks: dict[str, EventCallback] = {}
         self._held = 0
         self._held_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
+        self._built: Future = Future()
         self._thread.start()
+        self._built.result()  # the build's error, raised in the caller's thread
 
     @property
     def alive(self) -> bool:
@@ -96,7 +103,14 @@ class EngineLoop:
             if output:
                 _notify(callback, StepEvent(request_id, [], output))
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], SpecEngine] | None) -> None:
+        if build is not None:
+            try:
+                self.engine = build()
+            except BaseException as error:
+                self._built.set_exception(error)
+                return
+        self._built.set_result(None)
         while not self._stopping.is_set():
             try:  # nothing may end this thread but stop(): a dead loop hangs every client
                 self._turn()

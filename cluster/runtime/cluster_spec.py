@@ -8,6 +8,7 @@ for nothing, so a bundle of an actor that needs neither GPU nor CPU asks for `MI
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +57,27 @@ class ClusterSpec(BaseModel):
         False, description="run the drafter inside each target shard's process instead of draft actors (one-GPU "
         "deployments: a trained head then shares the target's embedding and LM head, and its hidden states stay in "
         "the process); needs tensor_parallel_size 1; num_draft_actors is then ignored")
+
+    target_placement: Literal["auto", "actor", "replica"] = Field(
+        "auto", description="where the target runs: `actor`, each rank a Ray actor of its own (a step is one actor call "
+        "to every rank); `replica`, in the Serve replica's own process, on its engine loop's thread (a step is a "
+        "function call: the engine core beside its model, as vLLM runs it; CPU, tensor_parallel_size 1 and one "
+        "target group only; a failed pass reloads it in the process); `auto`, replica where that is allowed, else actor")
+
+    @model_validator(mode="after")
+    def _replica_target_is_one_cpu_rank(self) -> ClusterSpec:
+        if self.target_placement == "replica" and not self._replica_target_allowed():
+            raise ValueError("target_placement 'replica' needs engine.device cpu, tensor_parallel_size 1 and "
+                             "num_target_groups 1 (a tensor-parallel or GPU target runs in actors)")
+        return self
+
+    def _replica_target_allowed(self) -> bool:
+        return self.engine.device == "cpu" and self.tensor_parallel_size == 1 and self.num_target_groups == 1
+
+    @property
+    def target_in_replica(self) -> bool:
+        """Whether the target runs in the replica's process (target_placement, `auto` resolved)."""
+        return self.target_placement == "replica" or (self.target_placement == "auto" and self._replica_target_allowed())
 
     @model_validator(mode="after")
     def _drafter_has_actors(self) -> ClusterSpec:
@@ -129,10 +151,16 @@ class ClusterSpec(BaseModel):
         """How much of a resource all target groups and draft actors reserve together."""
         return sum(role.total(resource) for role in self.roles())
 
+    @property
+    def placed_target_groups(self) -> int:
+        """Target groups placed as actors: none when the target runs in the replica."""
+        return 0 if self.target_in_replica else self.num_target_groups
+
     def target_role(self) -> Role:
         """All target groups' bundles and the labels of the nodes that may hold them."""
-        return Role(role="target groups", bundles=self.target_bundles() * self.num_target_groups, labels=self.target_node_labels,
-                    arithmetic=f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size}")
+        groups = self.placed_target_groups
+        return Role(role="target groups", bundles=self.target_bundles() * groups, labels=self.target_node_labels,
+                    arithmetic=f"{groups} target groups x TP {self.tensor_parallel_size}")
 
     def draft_role(self) -> Role | None:
         """The draft actors' bundles and the labels of their nodes; None when no draft actor is placed."""
@@ -153,7 +181,7 @@ class ClusterSpec(BaseModel):
         target_each = self.target_bundles()[0].get(resource, 0.0)
         draft_each = self.draft_bundle().get(resource, 0.0)
         return (
-            f"{self.num_target_groups} target groups x TP {self.tensor_parallel_size} x {target_each:g} + "
+            f"{self.placed_target_groups} target groups x TP {self.tensor_parallel_size} x {target_each:g} + "
             f"{self.draft_actor_count} draft actors x {draft_each:g}"
         )
 

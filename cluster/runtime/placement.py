@@ -128,7 +128,7 @@ def reserve(spec: ClusterSpec) -> Placement:
         target_groups=[placement_group(spec.target_bundles(), strategy="STRICT_PACK",
                                        bundle_label_selector=targets.selector(spec.tensor_parallel_size),
                                        name=group_name(f"{model} target group {i}"))
-                       for i in range(spec.num_target_groups)],
+                       for i in range(spec.placed_target_groups)],
         drafts=placement_group(drafts.bundles, strategy="SPREAD", bundle_label_selector=drafts.selector(len(drafts.bundles)),
                                name=group_name(f"{model} draft actors"))
         if drafts else None,
@@ -171,7 +171,9 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
                                  f"({' + '.join(role.arithmetic for role in roles)}) on {roles[0].where()}, "
                                  f"which have {present:g} ({len(admitted)} alive)")
     targets = spec.target_role()
-    check_group_fits_a_node(spec.target_bundles(), [node for node in nodes if targets.admits(node)], targets.where())
+    if spec.placed_target_groups:
+        check_group_fits_a_node(spec.target_bundles(), [node for node in nodes if targets.admits(node)],
+                                targets.where())
 
 
 def check_group_fits_a_node(bundles: list[Bundle], nodes: Iterable[dict], where: str = "the Ray cluster") -> None:

@@ -8,6 +8,9 @@ two micro-batches of a pipelined engine are drafted on different actors. With `c
 there are no draft actors: each target shard runs its own drafter in its process. With
 `draft_pool`, neither: each target group drafts through a PooledDrafter on the drafters of a pool
 shared with other replicas (cluster/runtime/draft_pool.py, cluster/runtime/pooled_drafter.py).
+
+With `target_in_replica` (the default for one CPU rank) the target is no actor: it is built in this
+process on its engine loop's thread and called there directly, so a step costs no actor call.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import torch
 
 from actors.draft_worker import DraftWorker
 from actors.model.loader import load_config, load_tokenizer, resolve_model
-from actors.target_group import TargetGroup
-from actors.worker import RayActorWorker
+from actors.target_group import TargetGroup, TargetShard
+from actors.worker import LocalWorker, RayActorWorker
 from cluster.engine.build import build_proposer, cost_key_of
 from cluster.engine.cost import measure as measure_cost
 from cluster.engine.loop import EngineLoop, least_loaded
@@ -66,7 +69,7 @@ class SpecCluster:
         spec, engine_config = self.spec, self.spec.engine
         path = resolve_model(engine_config.model)  # convert once here, not in every actor
         self.tokenizer = load_tokenizer(path)
-        self.model_config = model_config = load_config(path)
+        self.model_config = load_config(path)
         try:
             if spec.draft_pool is not None:  # first: a replica the pool refuses reserves nothing
                 fingerprint = pool_fingerprint(spec)
@@ -85,10 +88,8 @@ class SpecCluster:
             ]
             any_drafter = self.drafters[0] if self.drafters else self.pooled[0] if self.pooled else None
             self._hidden_spec = any_drafter.submit("hidden_spec").result() if any_drafter else ((), "float32")
-            self.target_groups = [self._new_target_group(g) for g in range(spec.num_target_groups)]
             colocated = spec.colocate_drafter and engine_config.method != "none"
             plan = engine_config.step_token_budget is None and (bool(self.drafters or self.pooled) or colocated)
-            key = cost_key_of(engine_config, spec.tensor_parallel_size)
             for group in range(spec.num_target_groups):
                 count = len(self.drafters)
                 drafters = [self.drafters[(group + k) % count] for k in range(count)]
@@ -96,42 +97,57 @@ class SpecCluster:
                     drafters = [self.pooled[group]]
                 if colocated:
                     drafters = [ColocatedWorker(functools.partial(lambda g: self.target_groups[g], group))]
-                costly_drafter = bool(drafters) and drafters[0].submit("runs_a_model").result()
-                engine = SpecEngine(
-                    self.target_groups[group], self.tokenizer, drafters, engine_config,
-                    model_config.eos_token_ids, functools.partial(self._rebuild_target_group, group),
-                    vocab_size=model_config.vocab_size,
-                    cost=measure_cost(self.target_groups[group], engine_config.max_sequences, engine_config.max_len, key)
-                    if plan else None,
-                    costly_drafter=costly_drafter,
-                )
-                if self.pooled:
-                    self.pooled[group].counters = functools.partial(getattr, engine, "counters")
-                self.loops.append(EngineLoop(engine, name=f"engine-{group}"))
+                build = functools.partial(self._new_engine, group, drafters, plan)
+                # a target in this process is built on the loop's thread, where all its work runs
+                self.loops.append(EngineLoop(build if spec.target_in_replica else build(), name=f"engine-{group}"))
         except BaseException:
             self.shutdown()
             raise
         return self
 
-    def _new_target_group(self, group: int) -> TargetGroup:
+    def _new_engine(self, group: int, drafters: list, plan: bool) -> SpecEngine:
+        """Target group `group` (started here) and the engine that drives it with `drafters`."""
+        engine_config = self.spec.engine
+        self.target_groups.append(self._new_target_group(group))
+        target = self.target_groups[group]
+        costly_drafter = bool(drafters) and drafters[0].submit("runs_a_model").result()
+        key = cost_key_of(engine_config, self.spec.tensor_parallel_size)
+        engine = SpecEngine(
+            target, self.tokenizer, drafters, engine_config, self.model_config.eos_token_ids,
+            functools.partial(self._rebuild_target_group, group), vocab_size=self.model_config.vocab_size,
+            cost=measure_cost(target, engine_config.max_sequences, engine_config.max_len, key) if plan else None,
+            costly_drafter=costly_drafter,
+        )
+        if self.pooled:
+            self.pooled[group].counters = functools.partial(getattr, engine, "counters")
+        return engine
+
+    def _new_target_group(self, group: int) -> TargetGroup | LocalWorker:
         config = self.spec.engine
-        options = [self.placement.target_options(group, rank) for rank in range(self.spec.tensor_parallel_size)]
         colocated = self.spec.colocate_drafter and config.method != "none"
         layers, dtype = self._hidden_spec
+        drafter = functools.partial(_build_with_target, config) if colocated else None
+        cache = config.cache_options(self.model_config, getattr(torch, config.dtype))
+        if self.spec.target_in_replica:
+            shard = TargetShard(config.model, 0, 1, config.max_sequences, config.max_len, config.dtype, config.device,
+                                config.attention_backend, config.cuda_graphs, layers, dtype, drafter,
+                                config.cpu_threads, cache)
+            shard.join("127.0.0.1", 0)  # a world of one: loads the model, meets nobody
+            return LocalWorker(shard, "target")
+        options = [self.placement.target_options(group, rank) for rank in range(self.spec.tensor_parallel_size)]
         return TargetGroup(
             config.model, self.spec.tensor_parallel_size, max_sequences=config.max_sequences,
             max_len=config.max_len, dtype=config.dtype, device=config.device,
             attention_backend=config.attention_backend, cuda_graphs=config.cuda_graphs, actor_options=options,
             hidden_layers=layers, hidden_dtype=dtype,
-            build_drafter=functools.partial(_build_with_target, config) if colocated else None,
-            cpu_threads=config.cpu_threads, cache=config.cache_options(self.model_config, getattr(torch, config.dtype)),
+            build_drafter=drafter, cpu_threads=config.cpu_threads, cache=cache,
         )
 
-    def _rebuild_target_group(self, group: int) -> TargetGroup:
+    def _rebuild_target_group(self, group: int) -> TargetGroup | LocalWorker:
         """A failed group's surviving ranks may be stuck in a collective: replace them all."""
         log.warning("rebuilding target group %d", group)
         self.target_groups[group].shutdown()
-        self.target_groups[group] = self._new_target_group(group)
+        self.target_groups[group] = self._new_target_group(group)  # on the loop's thread, like the first
         return self.target_groups[group]
 
     def generate(self, requests: Iterable[GenerationRequest], timeout_s: float | None = None) -> list[GenerationOutput]:
