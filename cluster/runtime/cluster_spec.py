@@ -61,18 +61,21 @@ class ClusterSpec(BaseModel):
     target_placement: Literal["auto", "actor", "replica"] = Field(
         "auto", description="where the target runs: `actor`, each rank a Ray actor of its own (a step is one actor call "
         "to every rank); `replica`, in the Serve replica's own process, on its engine loop's thread (a step is a "
-        "function call: the engine core beside its model, as vLLM runs it; CPU, tensor_parallel_size 1 and one "
-        "target group only; a failed pass reloads it in the process); `auto`, replica where that is allowed, else actor")
+        "function call: the engine core beside its model, as vLLM runs it; CPU with no GPU reserved, "
+        "tensor_parallel_size 1 and one target group only; a failed pass reloads it in the process); `auto`, "
+        "replica where that is allowed, else actor")
 
     @model_validator(mode="after")
     def _replica_target_is_one_cpu_rank(self) -> ClusterSpec:
         if self.target_placement == "replica" and not self._replica_target_allowed():
-            raise ValueError("target_placement 'replica' needs engine.device cpu, tensor_parallel_size 1 and "
-                             "num_target_groups 1 (a tensor-parallel or GPU target runs in actors)")
+            raise ValueError("target_placement 'replica' needs engine.device cpu, gpus_per_target_shard 0, "
+                             "tensor_parallel_size 1 and num_target_groups 1 (a tensor-parallel or GPU target runs "
+                             "in actors)")
         return self
 
     def _replica_target_allowed(self) -> bool:
-        return self.engine.device == "cpu" and self.tensor_parallel_size == 1 and self.num_target_groups == 1
+        return (self.engine.device == "cpu" and self.gpus_per_target_shard == 0 and self.tensor_parallel_size == 1
+                and self.num_target_groups == 1)
 
     @property
     def target_in_replica(self) -> bool:

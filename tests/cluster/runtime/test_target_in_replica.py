@@ -19,24 +19,30 @@ def engine(model_dir) -> EngineConfig:
     return EngineConfig(model=str(model_dir), dtype="float32", method="pld", max_sequences=4, max_len=256, **UNPLANNED)
 
 
+def cpu_spec(model_dir, **fields) -> ClusterSpec:
+    """A spec as configs/serve.yaml writes it for a CPU: no GPU reserved for any actor."""
+    return ClusterSpec(engine=engine(model_dir), **{"gpus_per_target_shard": 0, "gpus_per_draft_actor": 0, **fields})
+
+
 def test_auto_puts_one_cpu_rank_in_the_replica_and_anything_else_in_actors(tiny_model_dir):
-    one_rank = ClusterSpec(engine=engine(tiny_model_dir))
+    one_rank = cpu_spec(tiny_model_dir)
     assert one_rank.target_in_replica and one_rank.placed_target_groups == 0
     assert one_rank.target_role().bundles == []
-    for fields in ({"tensor_parallel_size": 2}, {"num_target_groups": 2}, {"target_placement": "actor"}):
-        spec = ClusterSpec(engine=engine(tiny_model_dir), **fields)
+    for fields in ({"tensor_parallel_size": 2}, {"num_target_groups": 2}, {"target_placement": "actor"},
+                   {"gpus_per_target_shard": 1}):
+        spec = cpu_spec(tiny_model_dir, **fields)
         assert not spec.target_in_replica and spec.placed_target_groups == spec.num_target_groups
 
 
-@pytest.mark.parametrize("fields", [{"tensor_parallel_size": 2}, {"num_target_groups": 2}])
+@pytest.mark.parametrize("fields", [{"tensor_parallel_size": 2}, {"num_target_groups": 2}, {"gpus_per_target_shard": 1}])
 def test_a_replica_target_of_more_than_one_cpu_rank_is_refused(tiny_model_dir, fields):
     with pytest.raises(ValueError, match="target_placement 'replica' needs"):
-        ClusterSpec(engine=engine(tiny_model_dir), target_placement="replica", **fields)
+        cpu_spec(tiny_model_dir, target_placement="replica", **fields)
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_four_gpus, tiny_model_dir):
-    cluster = SpecCluster(ClusterSpec(engine=engine(tiny_model_dir), target_placement="replica")).start()
+    cluster = SpecCluster(cpu_spec(tiny_model_dir, target_placement="replica")).start()
     yield cluster
     cluster.shutdown()
 
