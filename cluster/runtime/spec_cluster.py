@@ -108,10 +108,12 @@ class SpecCluster:
     def _new_engine(self, group: int, drafters: list, plan: bool) -> SpecEngine:
         """Target group `group` (started here) and the engine that drives it with `drafters`."""
         engine_config = self.spec.engine
+        # the curve's key first: a target built in this process sets this thread's torch threads, and
+        # the key must be the one computed for an actor target, in this process as it started
+        key = cost_key_of(engine_config, self.spec.tensor_parallel_size)
         self.target_groups.append(self._new_target_group(group))
         target = self.target_groups[group]
         costly_drafter = bool(drafters) and drafters[0].submit("runs_a_model").result()
-        key = cost_key_of(engine_config, self.spec.tensor_parallel_size)
         engine = SpecEngine(
             target, self.tokenizer, drafters, engine_config, self.model_config.eos_token_ids,
             functools.partial(self._rebuild_target_group, group), vocab_size=self.model_config.vocab_size,
