@@ -56,6 +56,9 @@ class VerifyItem:
     request_id: str
     tree: DraftTree
     shaping: Shaping | None = None
+    keep_rows: bool = False
+    """A request whose prompt ends in this pass and that drafts next step: a co-located head keeps
+    its hidden rows for that call, though it drafted nothing this step."""
 
 
 @dataclass
@@ -84,6 +87,15 @@ class Preempted:
 
 
 @dataclass
+class Waiting:
+    """In place of a VerifyResult: the request's prompt is not all in yet (its last chunk waited for
+    a block another prompt of the pass fills, to take it from the cache next pass). Its first root
+    is verified in the pass that finishes the prompt."""
+
+    seq_id: str
+
+
+@dataclass
 class RequestFailed:
     """In place of a VerifyResult: this request's verification raised. It ends with this error; the
     other requests of the batch keep their results."""
@@ -96,7 +108,7 @@ class VerifyReply:
     """What `verify` gives back: one result per VerifyItem, in item order, a PrefillChunk per prompt
     chunk run, and the requests outside the call that gave their blocks up so its trees fit."""
 
-    results: list[VerifyResult | RequestFailed | Preempted]
+    results: list[VerifyResult | RequestFailed | Preempted | Waiting]
     prefill: list[PrefillChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     """Ids preempted that were not items of the call (prompts still being prefilled, requests of the

@@ -153,17 +153,17 @@ class ColocatedDrafter:
 
     def keep_verified(self, batch: Sequence[VerifyItem], reply: VerifyReply, runner) -> None:
         verified = [item.request_id for item in batch]
-        self.pending.idle([request_id for request_id in verified if request_id not in self._drafted])
+        for chunk in reply.prefill:  # first: a starting request's tree rows follow its last chunk's
+            if chunk.hidden is not None:
+                self.pending.add(chunk.seq_id, chunk.start, chunk.hidden)
+                chunk.hidden = None
+        self.pending.idle([item.request_id for item in batch if item.request_id not in self._drafted and not item.keep_rows])
         self._drafted.difference_update(verified)
         for item, result in zip(batch, reply.results):
             if isinstance(result, VerifyResult) and result.hidden is not None:
                 root = runner.committed_length(item.request_id) - len(result.accepted_nodes)
                 self.pending.add(item.request_id, root, result.hidden)
                 result.hidden = None
-        for chunk in reply.prefill:
-            if chunk.hidden is not None:
-                self.pending.add(chunk.seq_id, chunk.start, chunk.hidden)
-                chunk.hidden = None
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "propose":

@@ -28,6 +28,7 @@ from actors.messages import (
     RequestFailed,
     VerifyItem,
     VerifyReply,
+    Waiting,
 )
 from actors.model.kv_cache import DEFAULT_BLOCK_SIZE
 from actors.model.llama import LlamaDecoder
@@ -145,36 +146,50 @@ class TargetWorker:
         of the call or not: calls run one at a time, so no other request is in a pass now."""
         preempted = self._make_room(batch)
         items = [item for item in batch if item.request_id not in preempted]
-        inputs = [TreeInput(seq_id=item.request_id, token_ids=item.tree.token_ids, parents=item.tree.parents,
-                            logits=self._wanted(item.request_id, item.shaping))
-                  for item in items]
+        starting = {item.request_id for item in items if self._prompt_left(item.request_id)}
         chunks, cached, filling = [], [], set()
         for seq_id, count in prefill:
             if seq_id not in preempted and count:
-                chunk, found = self._chunk(seq_id, count, filling)
+                chunk, found = self._chunk(seq_id, count, filling, finishes=seq_id in starting)
                 chunks.append(chunk)
                 cached.append(found)
-        all_logits, all_hidden = self.runner.forward_capturing(inputs + chunks, self.hidden_layers)
-        done = self._commit_chunks(chunks, cached, all_hidden[len(inputs):])
-        results = self._decide(items, all_logits[:len(inputs)])
-        for item, result, rows in zip(items, results, all_hidden):
-            if isinstance(result, RequestFailed):  # keep what it had committed, drop its tree
-                self.runner.truncate(item.request_id, self.runner.committed_length(item.request_id))
+        if starting - {chunk.seq_id for chunk in chunks}:
+            raise ValueError(f"requests {sorted(starting - {c.seq_id for c in chunks})} are verified before their "
+                             "prompts' last chunk")
+        # a starting request's tree follows its prompt's last chunk in one scratch tree: its root attends
+        # to the chunk's rows, written earlier in the same pass; one whose chunk waited is not verified yet
+        leading = {chunk.seq_id: len(chunk.token_ids) for chunk in chunks if chunk.seq_id in starting
+                   and self.runner.committed_length(chunk.seq_id) + len(chunk.token_ids) == len(self._prompts[chunk.seq_id])}
+        waiting = starting - set(leading)
+        items = [item for item in items if item.request_id not in waiting]
+        inputs = [TreeInput(seq_id=item.request_id, token_ids=item.tree.token_ids,
+                            parents=after(leading.get(item.request_id, 0), item.tree.parents),
+                            logits=self._wanted(item.request_id, item.shaping))
+                  for item in items]
+        all_logits, all_hidden = self.runner.forward_capturing(chunks + inputs, self.hidden_layers)
+        done = self._commit_chunks(chunks, cached, all_hidden[:len(chunks)], leading)
+        results = self._decide(items, all_logits[len(chunks):], leading)
+        for item, result, rows in zip(items, results, all_hidden[len(chunks):]):
+            lead = range(leading.get(item.request_id, 0))
+            if isinstance(result, RequestFailed):  # keep what it had committed (and its prompt), drop its tree
+                self.runner.commit(item.request_id, lead)
                 continue
-            self.runner.commit(item.request_id, result.accepted_nodes)
+            self.runner.commit(item.request_id, [*lead, *(len(lead) + node for node in result.accepted_nodes)])
             if self._sends_hidden:
                 result.hidden = rows[result.accepted_nodes].to(self.hidden_dtype)
         decided, in_batch = iter(results), {item.request_id for item in batch}
-        return VerifyReply([Preempted(item.request_id) if item.request_id in preempted else next(decided) for item in batch],
+        return VerifyReply([Preempted(item.request_id) if item.request_id in preempted
+                            else Waiting(item.request_id) if item.request_id in waiting else next(decided) for item in batch],
                            done, [seq_id for seq_id in preempted if seq_id not in in_batch])
 
-    def _chunk(self, seq_id: str, count: int, filling: set[bytes]) -> tuple[TreeInput, int]:
+    def _chunk(self, seq_id: str, count: int, filling: set[bytes], finishes: bool = False) -> tuple[TreeInput, int]:
         """The next `count` tokens of a prompt still to prefill (at most what is left), after those
         the prefix cache has gained since its admission (taken over, not run); and how many those are.
 
         A chunk whose next block an earlier chunk of the pass fills (`filling`: their blocks' keys)
         waits instead (no tokens): next pass it takes that block from the cache. Prompts with a
-        common prefix admitted together thus compute it once."""
+        common prefix admitted together thus compute it once. A chunk that `finishes` its prompt
+        (its request's first root follows it in the pass) must reach the end unless it waits."""
         runner = self.runner
         start, prompt = runner.committed_length(seq_id), self._prompts.get(seq_id, ())
         if count > len(prompt) - start:
@@ -186,14 +201,19 @@ class TargetWorker:
             count = 0
         filling.update(keys)
         tokens = prompt[start: start + count]
+        if finishes and tokens and start + len(tokens) != len(prompt):
+            raise ValueError(f"request {seq_id!r} is verified, but its prompt's chunk of {count} tokens leaves "
+                             f"{len(prompt) - start - len(tokens)} to prefill")
         return TreeInput(seq_id, tokens, chain_parents(len(tokens)), logits="none"), cached
 
     def _commit_chunks(self, chunks: Sequence[TreeInput], cached: Sequence[int],
-                       hidden: Sequence[torch.Tensor | None]) -> list[PrefillChunk]:
+                       hidden: Sequence[torch.Tensor | None], leading: dict[str, int]) -> list[PrefillChunk]:
+        """Commit the chunks run, but those `leading` a tree (committed with its accepted path)."""
         done = []
         for chunk, found, rows in zip(chunks, cached, hidden):
             start = self.runner.committed_length(chunk.seq_id)
-            self.runner.commit(chunk.seq_id, range(len(chunk.token_ids)))
+            if chunk.seq_id not in leading:
+                self.runner.commit(chunk.seq_id, range(len(chunk.token_ids)))
             if start + len(chunk.token_ids) == len(self._prompts[chunk.seq_id]):
                 del self._prompts[chunk.seq_id]
             done.append(PrefillChunk(seq_id=chunk.seq_id, start=start, tokens=len(chunk.token_ids), cached=found,
@@ -204,8 +224,13 @@ class TargetWorker:
         """The requests BlockFit preempts (their blocks freed) so the call's trees fit, newest first:
         any request admitted, in admission order, since the blocks the trees lack may be held by
         requests outside the call (with pipelining, the other micro-batch's)."""
-        needed = {item.request_id: self.runner.blocks_to_grow(item.request_id, item.tree.size) for item in items}
+        grow = self.runner.blocks_to_grow
+        needed = {item.request_id: grow(item.request_id, self._prompt_left(item.request_id) + item.tree.size) for item in items}
         return self.fit.make_room(needed, list(self._sampling), self.finish)
+
+    def _prompt_left(self, seq_id: str) -> int:
+        """Prompt tokens of the request still to prefill (before what the prefix cache may give)."""
+        return max(0, len(self._prompts[seq_id]) - self.runner.committed_length(seq_id)) if seq_id in self._prompts else 0
 
     def _wanted(self, seq_id: str, shaping: Shaping | None) -> str:
         """A plain greedy request needs only the target's choice at each node; a sampled one, or one
@@ -213,23 +238,25 @@ class TargetWorker:
         return "argmax" if self._sampling[seq_id][0].greedy and shaping is None else "all"
 
     def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor,
-                    shaping: Shaping | None) -> VerifyResult | RequestFailed:
-        """One request's decision; what it raises fails that request alone, not its neighbours."""
+                    shaping: Shaping | None, root: int) -> VerifyResult | RequestFailed:
+        """One request's decision (`root`: its root's position); what it raises fails that request
+        alone, not its neighbours."""
         try:
             if self._wanted(seq_id, shaping) == "argmax":
                 return verify_greedy(tree, scores.tolist())
             sampling, generator = self._sampling[seq_id]
             shaped = scores if shaping is None else shaping.apply(tree, scores)
-            result = verify(tree, shaped, sampling, generator, position=self.runner.committed_length(seq_id) + 1)
+            result = verify(tree, shaped, sampling, generator, position=root + 1)
             if shaping is not None and shaping.logprobs is not None:
                 result.logprobs = committed_logprobs(scores, result.accepted_nodes, result.new_tokens, shaping.logprobs)
             return result
         except Exception as error:
             return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
 
-    def _decide(self, batch: Sequence[VerifyItem],
-                all_logits: list[torch.Tensor]) -> list[VerifyResult | RequestFailed]:
-        """Run the verifier on rank 0 only and give its results to every rank.
+    def _decide(self, batch: Sequence[VerifyItem], all_logits: list[torch.Tensor],
+                leading: dict[str, int]) -> list[VerifyResult | RequestFailed]:
+        """Run the verifier on rank 0 only and give its results to every rank (`leading`: the prompt
+        rows before a starting request's root, not committed yet).
 
         Tensor-parallel ranks hold the same logits, but sampling draws random numbers (and an argmax
         tie could break differently on other hardware): one decision, broadcast, keeps every rank's
@@ -240,7 +267,8 @@ class TargetWorker:
         outcome: list[VerifyResult] | str | None = None
         if comm.rank == 0:
             try:
-                outcome = [self._verify_one(item.request_id, item.tree, logits, item.shaping)
+                outcome = [self._verify_one(item.request_id, item.tree, logits, item.shaping,
+                                            self.runner.committed_length(item.request_id) + leading.get(item.request_id, 0))
                            for item, logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")
@@ -258,3 +286,8 @@ class TargetWorker:
     def time_passes(self, shapes: Sequence[tuple[int, int]], context: int, repeats: int) -> list[float]:
         """The cost curve: the fastest of `repeats` verification passes of each (tokens, sequences) shape."""
         return time_passes(self.runner, shapes, context, repeats, aggregate=min)
+
+
+def after(lead: int, parents: Sequence[int]) -> list[int]:
+    """A tree's parents once it follows `lead` chained rows in one scratch tree: its root hangs from the last."""
+    return [lead + parent if parent >= 0 else lead - 1 for parent in parents]

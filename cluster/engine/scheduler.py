@@ -214,14 +214,20 @@ class Scheduler:
         budget = self.chunk_budget()
         chunks = []
         for request_id in self.prefilling:
-            state = self.active[request_id]
-            count = min(state.prefill_left, budget)
+            left = self.active[request_id].prefill_left
+            # a chunk that finishes its prompt carries the request's first root too: one token more
+            count = left if left < budget else budget - 1 if left == budget else budget
             if count:
                 chunks.append((request_id, count))
-                budget -= count
-            if count < state.prefill_left:
+                budget -= count + (count == left)
+            if count < left:
                 break
         return chunks
+
+    def finishing(self, chunks: Sequence[tuple[str, int]]) -> list[ActiveRequest]:
+        """The requests whose prompts `chunks` finish (the worker may find more of a prompt cached,
+        which finishes it all the same)."""
+        return [self.active[request_id] for request_id, count in chunks if count >= self.active[request_id].prefill_left]
 
     def prefilled(self, chunks: list[PrefillChunk], preempted: Sequence[str] = (),
                   decoded_tokens: int | None = None) -> None:

@@ -35,6 +35,7 @@ from actors.messages import (
     RequestFailed,
     VerifyItem,
     VerifyReply,
+    Waiting,
 )
 from actors.worker import Worker, tell
 from cluster.engine.config import SchedulerConfig
@@ -45,7 +46,7 @@ from cluster.engine.recovery import TargetRecovery
 from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import ActiveRequest
-from cluster.engine.speculation import SpeculationController
+from cluster.engine.speculation import SpeculationController, speculates
 from cluster.engine.stalls import StalledWorkers, WorkerTimeout, result_within
 from cluster.engine.stats import EngineCounters
 from cluster.engine.text import OutputText
@@ -103,6 +104,7 @@ class SpecEngine:
         self._pending_starts: list[tuple[Future, list[str]]] = []
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
+        self._drafts_prompts = not self.drafters or not self.drafters[0].submit("hidden_spec").result()[0]
         self._stalled = StalledWorkers()
         self.recovery = TargetRecovery(rebuild_target, config.rebuild_retry_s)
 
@@ -286,15 +288,20 @@ class SpecEngine:
         if failed or not self.active:
             return failed
         plan = self.scheduler.plan()
-        group, states, chunks = plan.group, plan.decoding, plan.chunks
+        group, chunks, starting = plan.group, plan.chunks, self.scheduler.finishing(plan.chunks)
+        # a prompt the pass finishes has its first root verified in it (drafted, unless the drafter reads
+        # hidden states, which come with the same pass): the first token one pass sooner
+        states = plan.decoding + starting
         if not states and not chunks:
             return []
-        pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, states)
+        drafting = states if self._drafts_prompts else plan.decoding
+        pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, drafting)
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
         trees = self.speculation.trim(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
         began = time.perf_counter()
-        items = [_verify_item(s, t) for s, t in zip(states, trees)]
+        keeping = {s.request_id for s in starting if speculates(s)}
+        items = [_verify_item(s, t, s.request_id in keeping) for s, t in zip(states, trees)]
         verify = self.target.submit("verify", items, chunks)
         if self.config.pipeline:
             other = (group + 1) % self.scheduler.groups
@@ -313,12 +320,13 @@ class SpecEngine:
         for chunk in reply.prefill:  # a head drafts from the prompt's hidden states
             if chunk.hidden is not None and chunk.seq_id in self.active:
                 self._hidden.add(chunk.seq_id, chunk.start, chunk.hidden)
+        self._hidden.idle([s.request_id for s in starting if not speculates(s)])  # as a draft call would
         self.scheduler.prefilled(reply.prefill, reply.preempted, decoded_tokens=sum(tree.size for tree in trees))
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
         return [event for event in events if event is not None]
 
-    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted,
+    def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted | Waiting,
                verify_seconds: float) -> StepEvent | None:
         state.stats.verify_seconds += verify_seconds
         if isinstance(result, RequestFailed):  # this request alone; its neighbours keep their output
@@ -326,6 +334,8 @@ class SpecEngine:
             return self._finished_event(state)
         if isinstance(result, Preempted):
             self.scheduler.preempt(state)
+            return None
+        if isinstance(result, Waiting):  # its prompt's last chunk waited: verified once the prompt is in
             return None
         self.counters.request_passes += 1
         state.stats.record(tree.depths[1:], len(result.accepted_tokens))
@@ -431,8 +441,9 @@ def _admit_item(request: GenerationRequest, tokens: list[int]) -> AdmitItem:
                      cache_scope=request.cache_scope)
 
 
-def _verify_item(state: ActiveRequest, tree: DraftTree) -> VerifyItem:
+def _verify_item(state: ActiveRequest, tree: DraftTree, keep_rows: bool) -> VerifyItem:
     """What the target verifies for one request: its tree, and the step's Shaping when it has rules."""
-    return VerifyItem(state.request_id, tree, None if state.rules is None else state.rules.shaping(tree, state.tokens))
+    return VerifyItem(state.request_id, tree, None if state.rules is None else state.rules.shaping(tree, state.tokens),
+                      keep_rows)
 
 

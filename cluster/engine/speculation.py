@@ -113,7 +113,7 @@ class SpeculationController:
             cap = max((s.speculation.policy.depth() for s in states), default=0)
             depth_cap = self.planner.depth(len(states), cap, self.drafter_cost)
         config = self.config
-        speculating = [s for s in states if s.request.speculate and s.speculation.gate.is_open]
+        speculating = [s for s in states if speculates(s)]
         if not speculating:
             return []
         budget = config.step_token_budget
@@ -164,3 +164,8 @@ class SpeculationController:
             acceptance = self.planner.acceptance
             speculation.acceptance.observe(sum(path_probabilities(tree, acceptance)[1:]), accepted)
             acceptance.observe(tree, result.accepted_nodes)
+
+
+def speculates(state: ActiveRequest) -> bool:
+    """Whether the request drafts this step: it asked to and its gate is open."""
+    return state.request.speculate and state.speculation.gate.is_open

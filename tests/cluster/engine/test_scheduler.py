@@ -121,7 +121,8 @@ def test_no_pass_carries_more_than_max_num_batched_tokens():
     prompts = [state_of(GenerationRequest(name, list(range(1, 201)))) for name in "ab"]
     idle.run(prompts)
     idle.admitted(Admission({"a": 0, "b": 0}, []))
-    assert idle.plan().chunks == [("a", 199), ("b", 101)]  # nobody decodes: the prompts share the cap
+    # nobody decodes: the prompts share the cap, with a's first root, verified in the pass its prompt ends
+    assert idle.plan().chunks == [("a", 199), ("b", 100)]
 
 
 def test_a_whole_prompt_offer_holds_at_most_max_num_batched_tokens():
