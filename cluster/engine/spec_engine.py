@@ -289,19 +289,20 @@ class SpecEngine:
             return failed
         plan = self.scheduler.plan()
         group, chunks, starting = plan.group, plan.chunks, self.scheduler.finishing(plan.chunks)
-        # a prompt the pass finishes has its first root verified in it (drafted, unless the drafter reads
-        # hidden states, which come with the same pass): the first token one pass sooner
-        states = plan.decoding + starting
+        # a prompt the pass finishes has its first root verified in it (drafted, unless the drafter reads hidden
+        # states, which come with the pass; its tree priced as in a pass of its own): the first token a pass sooner
+        states, decoding = plan.decoding + starting, len(plan.decoding)
         if not states and not chunks:
             return []
         drafting = states if self._drafts_prompts else plan.decoding
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, drafting)
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
-        trees = self.speculation.trim(states, [self._pruned(s, t) for s, t in zip(states, drafted)], chunks)
+        pruned = [self._pruned(s, t) for s, t in zip(states, drafted)]
+        trim = self.speculation.trim
+        trees = trim(plan.decoding, pruned[:decoding], chunks) + trim(starting, pruned[decoding:], [])
         began = time.perf_counter()
-        keeping = {s.request_id for s in starting if speculates(s)}
-        items = [_verify_item(s, t, s.request_id in keeping) for s, t in zip(states, trees)]
+        items = [_verify_item(s, t, i >= decoding and speculates(s)) for i, (s, t) in enumerate(zip(states, trees))]
         verify = self.target.submit("verify", items, chunks)
         if self.config.pipeline:
             other = (group + 1) % self.scheduler.groups
