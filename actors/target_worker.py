@@ -153,9 +153,9 @@ class TargetWorker:
                 chunk, found = self._chunk(seq_id, count, filling, finishes=seq_id in starting)
                 chunks.append(chunk)
                 cached.append(found)
-        if starting - {chunk.seq_id for chunk in chunks}:
-            raise ValueError(f"requests {sorted(starting - {c.seq_id for c in chunks})} are verified before their "
-                             "prompts' last chunk")
+        missing = starting - {chunk.seq_id for chunk in chunks}
+        if missing:
+            raise ValueError(f"requests {sorted(missing)} are verified before their prompts' last chunk")
         # a starting request's tree follows its prompt's last chunk in one scratch tree: its root attends
         # to the chunk's rows, written earlier in the same pass; one whose chunk waited is not verified yet
         leading = {chunk.seq_id: len(chunk.token_ids) for chunk in chunks if chunk.seq_id in starting

@@ -23,7 +23,6 @@ from actors.model.cache_folder import cache_root
 from actors.model.config import DecoderConfig
 from actors.model.llama import LlamaDecoder, decoder_from_tensors, layer_skip_config
 from actors.model.sharding import Communicator, ShardPlan
-from actors.model.threads import name_pass_thread
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -147,9 +146,7 @@ def load_model(
     num_layers: int | None = None,
 ) -> LlamaDecoder:
     """Load a model (or one tensor-parallel rank's slice of it); `num_layers` keeps only the first
-    layers, for a layer-skip self-draft that lives apart from its target. The calling thread is the
-    one that will run it (actors/worker.py LocalWorker): it is named so (threads.name_pass_thread)."""
-    name_pass_thread()
+    layers, for a layer-skip self-draft that lives apart from its target."""
     path = resolve_model(name_or_path)
     config = load_config(path)
     if num_layers is not None:

@@ -9,7 +9,7 @@ there are no draft actors: each target shard runs its own drafter in its process
 `draft_pool`, neither: each target group drafts through a PooledDrafter on the drafters of a pool
 shared with other replicas (cluster/runtime/draft_pool.py, cluster/runtime/pooled_drafter.py).
 
-With `target_in_replica` (the default for one CPU rank) the target is no actor: it is built in this
+With the target in the replica (`target_placement`, by default for one CPU rank) the target is no actor: it is built in this
 process on its engine loop's thread and called there directly, so a step costs no actor call.
 """
 from __future__ import annotations
