@@ -86,13 +86,14 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _requests_fit_the_context_window(self) -> AppArgs:
         """Checked when the app starts: otherwise the longest allowed prompt asking for the most
-        tokens would be cut short by the context window, not by the limit the client was told."""
+        tokens would be cut short by the context window, not by the limit the client was told. With
+        max_prompt_tokens null each request is held to the window instead (RequestBuilder)."""
         limits = self.limits
         for served in self.served():
             max_len = served.cluster.engine.max_len
-            if limits.max_prompt_tokens + limits.max_new_tokens > max_len:
+            if (limits.max_prompt_tokens or 1) + limits.max_new_tokens > max_len:
                 raise ValueError(
-                    f"limits.max_prompt_tokens ({limits.max_prompt_tokens}) + limits.max_new_tokens "
+                    f"limits.max_prompt_tokens ({limits.max_prompt_tokens or 1}) + limits.max_new_tokens "
                     f"({limits.max_new_tokens}) must be <= cluster.engine.max_len ({max_len}) of {served.model_id}")
         return self
 

@@ -12,7 +12,10 @@ from cluster.serve.api_key import ApiKeys, resolve_api_keys
 class ServiceLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_prompt_tokens: int = Field(1536, ge=1, description="longest prompt accepted, in tokens")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longest prompt accepted, in tokens; null: as vLLM, any prompt whose tokens and "
+        "max_tokens fit the context window (cluster.engine.max_len); a request that does not fit is refused with "
+        "400 / INVALID_ARGUMENT naming max_tokens, or prompt when the prompt alone fills the window")
     max_new_tokens: int = Field(512, ge=1, description="most tokens one request may ask for")
     max_concurrent_requests: int = Field(
         64, ge=1, description="requests in flight per replica; more are refused with 503 / RESOURCE_EXHAUSTED")

@@ -216,7 +216,8 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
     """RequestOptions fields from an OpenAI body, and the wire name of each field renamed on the way.
 
     Unset or null fields take OpenAI's defaults where OpenAI defines one (temperature 1, 16 tokens
-    for completions); chat has no token default, so it may use the whole per-request limit.
+    for completions); chat has no token default, so it may use the whole per-request limit. An unset
+    token count is cut to what fits the context window after the prompt, as vLLM does.
     """
     if chat:
         messages = body.get("messages")
@@ -237,7 +238,7 @@ def _options(body: dict, chat: bool, service: SpecService) -> tuple[dict, dict[s
     structure, structure_name = _structure(body)
     max_tokens = body.get(tokens_name)
     fields |= {"temperature": OPENAI_DEFAULT_TEMPERATURE, "logprobs": logprobs, "structured_output": structure,
-               "max_new_tokens": default_tokens if max_tokens is None else max_tokens} | given
+               "max_new_tokens": max_tokens, "default_max_new_tokens": default_tokens} | given
     return fields, {"max_new_tokens": tokens_name, "prompt_token_ids": "prompt", "logprobs": logprobs_name,
                     "structured_output": structure_name}
 

@@ -83,7 +83,9 @@ class RequestOptions(BaseModel):
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     max_new_tokens: int | None = None
-    """None: DEFAULT_MAX_NEW_TOKENS, within the deployment's limit."""
+    """None: default_max_new_tokens, within the deployment's limit and what fits the context window."""
+    default_max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
+    """The front end's default when the client gives no max_new_tokens (OpenAI's 16 for completions)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -189,8 +191,9 @@ class RequestBuilder:
                 add_generation_prompt=True, tokenize=True, return_dict=False))
         if not ids:
             raise InvalidRequest("prompt", "is empty")
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise InvalidRequest("prompt", f"has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+        most = self._prompt_limit()
+        if len(ids) > most:
+            raise InvalidRequest("prompt", f"has {len(ids)} tokens; the limit is {most}")
         vocab = len(self.tokenizer)
         if any(not 0 <= token < vocab for token in ids):
             raise InvalidRequest("prompt_token_ids", f"token ids must be in [0, {vocab})")
@@ -198,10 +201,10 @@ class RequestBuilder:
 
     def _check_text(self, field: str, text: str) -> None:
         """Text must be UTF-8 (no lone surrogates) and short enough to tokenize without a stall."""
-        most = self.limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        tokens = self._prompt_limit()
+        most = tokens * MAX_CHARS_PER_TOKEN
         if len(text) > most:
-            raise InvalidRequest(field, f"has {len(text)} characters; the limit is {most} "
-                                        f"({self.limits.max_prompt_tokens} tokens)")
+            raise InvalidRequest(field, f"has {len(text)} characters; the limit is {most} ({tokens} tokens)")
         _check_utf8(field, text)
 
     def _check_stop(self, stop: list[str]) -> None:
@@ -231,11 +234,8 @@ class RequestBuilder:
                       wait_for_grammar: bool = True) -> GenerationRequest:
         """The engine request; `wait_for_grammar` False: a grammar still compiling is left in it as
         `Compiling`, for the caller to await on its event loop (`await_grammars`) before running it."""
-        max_new_tokens = options.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.limits.max_new_tokens)
-        if not 1 <= max_new_tokens <= self.limits.max_new_tokens:
-            raise InvalidRequest("max_new_tokens", f"must be in [1, {self.limits.max_new_tokens}]")
+        prompt_ids = self._prompt_ids(options)
+        max_new_tokens = self._max_new_tokens(options.max_new_tokens, options.default_max_new_tokens, len(prompt_ids))
         sampling = _checked(SamplingParams, options.temperature, options.top_k, options.top_p, options.seed)
         penalties = _checked(Penalties, options.presence_penalty, options.frequency_penalty, options.repetition_penalty)
         method = options.speculation.method
@@ -243,7 +243,7 @@ class RequestBuilder:
             raise InvalidRequest("speculation.method", f"this deployment drafts with {self.method!r}; use it, 'default' or 'off'")
         self._check_stop(options.stop)
         request = GenerationRequest(
-            request_id=request_id or uuid.uuid4().hex, prompt_ids=self._prompt_ids(options), sampling=sampling,
+            request_id=request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=list(options.stop),
             speculate=method not in ("off", "none") and self.method != "none",
             lookahead=self._lookahead(options.speculation), penalties=penalties if penalties.active else None,
@@ -255,6 +255,30 @@ class RequestBuilder:
         except ValueError as error:
             raise InvalidRequest("prompt", str(error)) from None
         return request
+
+    def _max_new_tokens(self, asked: int | None, default: int, prompt_tokens: int) -> int:
+        """The request's output limit: what the client asked for, within the deployment's limit and,
+        as vLLM holds requests to max_model_len, within the context window after the prompt (where
+        the client asked for none, the default is cut to what fits)."""
+        window = self._context_window()
+        room = min(self.limits.max_new_tokens, window - prompt_tokens)
+        if asked is None:
+            return max(1, min(default, room))
+        if not 1 <= asked <= self.limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"must be in [1, {self.limits.max_new_tokens}]")
+        if asked > room:
+            raise InvalidRequest("max_new_tokens", f"is {asked}, but the prompt has {prompt_tokens} tokens and the "
+                                                   f"context window {window}: at most {max(room, 0)} fit")
+        return asked
+
+    def _context_window(self) -> int:
+        """The engine's max_len: prompt and output together."""
+        config = getattr(self.engine, "config", None)
+        return getattr(config, "max_len", None) or EngineConfig.model_fields["max_len"].default
+
+    def _prompt_limit(self) -> int:
+        """Longest prompt accepted: limits.max_prompt_tokens, or the context window less one new token."""
+        return self.limits.max_prompt_tokens or self._context_window() - 1
 
     def build_samples(self, options: RequestOptions, request_id: str, *, wait_for_grammar: bool = True) -> Samples:
         """The engine requests behind a call's `n` choices (the best `n` of `best_of` when more).

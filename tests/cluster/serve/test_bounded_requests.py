@@ -162,3 +162,19 @@ def test_a_grpc_request_over_the_cap_is_refused_naming_it(served):
     asyncio.run(grpc_server(service).Generate(pb.GenerateRequest(text="x" * 5000), context))
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "limits.max_body_bytes" in context.details
     assert context.details.startswith("request:")
+
+
+def test_a_prompt_and_its_max_tokens_must_fit_the_context_window(served):
+    """As vLLM holds a request to max_model_len: prompt + max_tokens over max_len (512 here) is a 400
+    naming max_tokens, a prompt alone filling the window one naming prompt, and a request that gives
+    no max_tokens gets what fits."""
+    _, port = served
+    status, answer = post(port, "/v1/completions", {"model": MODEL_ID, "prompt": [7] * 500, "max_tokens": 13})
+    assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+    assert "500 tokens" in answer["error"]["message"] and "at most 12" in answer["error"]["message"]
+    status, answer = post(port, "/v1/completions", {"model": MODEL_ID, "prompt": [7] * 500, "max_tokens": 12})
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 12
+    status, answer = post(port, "/v1/completions", {"model": MODEL_ID, "prompt": [7] * 512, "max_tokens": 1})
+    assert status == 400 and answer["error"]["param"] == "prompt" and "limit is 511" in answer["error"]["message"]
+    status, answer = post(port, "/v1/completions", {"model": MODEL_ID, "prompt": [7] * 508})
+    assert status == 200 and 1 <= answer["usage"]["completion_tokens"] <= 4, answer
