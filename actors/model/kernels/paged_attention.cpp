@@ -304,21 +304,38 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
         }
         longest = std::max(longest, count_of[first + r]);
       }
+      const int64_t reference_columns = count_of[reference];
       for (int64_t start = 0; start < longest; start += kBlock) {
         sharing.clear();  // the vectors of rows whose positions here are the reference row's
+        bool loaded = false;
         for (int64_t r = 0; r < count; ++r)
           if (start + kBlock <= shared_of[first + r])
             for (int64_t h = 0; h < groups; ++h) sharing.push_back(&vectors[r * groups + h]);
         if (!sharing.empty()) {
           load_block(keys_base, values_base, position + start_of[reference] + start, kBlock, dim, keys_t, rows);
+          loaded = true;
           step(sharing.data(), sharing.size(), keys_t, rows, kBlock, dim);
         }
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = first + r, columns = count_of[row];
           if (start >= columns || start + kBlock <= shared_of[row]) continue;
           const int64_t size = std::min(kBlock, columns - start);
-          load_block(keys_base, values_base, position + start_of[row] + start, size, dim, keys_t, rows);
           for (int64_t h = 0; h < groups; ++h) own[h] = &vectors[r * groups + h];
+          if (start + size <= shared_of[row]) {
+            // A prompt row's last block: the reference's, cut short. Its columns past `size` are
+            // scored but weighed 0 and never accumulated, so it gives a private load's bits.
+            if (!loaded) {
+              load_block(keys_base, values_base, position + start_of[reference] + start,
+                         std::min(kBlock, reference_columns - start), dim, keys_t, rows);
+              loaded = true;
+            }
+            step(own, groups, keys_t, rows, size, dim);
+            continue;
+          }
+          // A block of the row's own (a tree node off the reference's branch): loaded for it alone,
+          // after which the reference's block must be loaded again.
+          load_block(keys_base, values_base, position + start_of[row] + start, size, dim, keys_t, rows);
+          loaded = false;
           step(own, groups, keys_t, rows, size, dim);
         }
       }
