@@ -17,8 +17,13 @@
 #include <immintrin.h>
 #endif
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -32,6 +37,7 @@ constexpr int64_t kMaxGroup = 16;  // query heads per kv head
 using specserve_kernels::elements;
 using specserve_kernels::put;
 using specserve_kernels::with_element_type;
+using specserve_kernels::to_bfloat16_bits;
 using specserve_kernels::to_float;
 
 __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
@@ -95,7 +101,8 @@ void load_block(const T* keys, const T* values, const int64_t* positions, int64_
 
 // One query vector (a row's query head): its running max, sum of weights and weighted values.
 struct Vector {
-  const float* query;  // [dim], scaled
+  const float* query;  // [dim], scaled (the float32 blocks' product)
+  const void* raw;     // [dim], the query as the tensor holds it (the AMX blocks' product)
   float max_score;
   float total;
   float* acc;  // [dim]
@@ -224,6 +231,121 @@ void step(Vector* const* vectors, int64_t count, const float* keys_t, const floa
   }
 }
 
+// Blocks staged as float32 and multiplied with AVX-512 fused multiply-adds: every dtype, every CPU.
+template <typename T>
+struct FloatBlocks {
+  static constexpr bool kScaledQueries = true;
+  int64_t dim;
+  float scale;
+  alignas(64) float keys_t[kMaxDim * kBlock];
+  alignas(64) float rows[kBlock * kMaxDim];
+
+  void load(const T* keys, const T* values, const int64_t* positions, int64_t size) {
+    load_block(keys, values, positions, size, dim, keys_t, rows);
+  }
+  void step(Vector* const* vectors, int64_t count, int64_t size) {
+    ::step(vectors, count, keys_t, rows, size, dim);
+  }
+};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define SPECSERVE_AMX 1
+
+// Whether this process may use AMX tiles: Linux grants them on request (once, for every thread).
+bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+}
+
+// bfloat16 blocks multiplied on AMX tiles, 16 query vectors a tile: the scores Q K^T and the
+// weighted values P V each a few tile products, where the float32 blocks take dim fused
+// multiply-adds a column per vector (a 256-token prompt chunk's attention: see docs/benchmarks.md).
+// A vector's arithmetic is still its own and fixed: a tile row depends only on that row of its
+// left operand, every block holds kBlock columns (zero keys and values past those loaded), the
+// softmax is `weigh`'s, and the weights enter P V rounded to bfloat16 (zero past a row's size).
+// So a token gets the same bits whatever else the call holds, as with the float32 blocks, whose
+// bits these are not: a process takes one kind for every call (AMX where the CPU and OS have it).
+struct AmxBlocks {
+  static constexpr bool kScaledQueries = false;
+  static constexpr int kRows = 16;  // tile rows: query vectors a product
+  int64_t dim;
+  float scale;
+  alignas(64) uint32_t keys_t[kMaxDim / 2 * kBlock];  // [dim / 2][kBlock]: each column's bfloat16 pairs (VNNI)
+  alignas(64) uint32_t values[kBlock / 2 * kMaxDim];  // [kBlock / 2][dim]: each dim's pairs of columns (VNNI)
+  alignas(64) uint16_t queries[kRows * kMaxDim];
+  alignas(64) uint16_t weights[kRows * kBlock];
+  alignas(64) float scores[kRows * kBlock];
+  alignas(64) float weighted[kRows * kMaxDim];
+
+  AmxBlocks() {
+    struct alignas(64) {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t bytes_per_row[16] = {64, 64, 64};
+      uint8_t rows[16] = {kRows, kRows, kRows};
+    } config;
+    _tile_loadconfig(&config);
+    std::memset(queries, 0, sizeof(queries));
+    std::memset(weights, 0, sizeof(weights));
+  }
+  ~AmxBlocks() { _tile_release(); }
+
+  void load(const uint16_t* keys, const uint16_t* values_in, const int64_t* positions, int64_t size) {
+    static const uint16_t zeros[kMaxDim] = {};
+    const int64_t pairs = dim / 2;
+    alignas(64) uint32_t staged[kBlock * kMaxDim / 2];  // keys as rows of pairs, then transposed
+    for (int64_t j = 0; j < kBlock; ++j) {
+      if (j < size) std::memcpy(staged + j * pairs, keys + positions[j] * dim, dim * sizeof(uint16_t));
+      else std::memset(staged + j * pairs, 0, dim * sizeof(uint16_t));
+    }
+    for (int64_t first = 0; first < kBlock; first += 16)
+      for (int64_t p = 0; p < pairs; p += 16)
+        transpose_16x16(reinterpret_cast<const float*>(staged + first * pairs + p), pairs,
+                        reinterpret_cast<float*>(keys_t + p * kBlock + first), kBlock);
+    for (int64_t j = 0; j < kBlock; j += 2) {
+      const uint16_t* even = j < size ? values_in + positions[j] * dim : zeros;
+      const uint16_t* odd = j + 1 < size ? values_in + positions[j + 1] * dim : zeros;
+      uint32_t* row = values + j / 2 * dim;
+      for (int64_t i = 0; i < dim; ++i) row[i] = even[i] | static_cast<uint32_t>(odd[i]) << 16;
+    }
+  }
+
+  void step(Vector* const* vectors, int64_t count, int64_t size) {
+    for (int64_t first = 0; first < count; first += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, count - first);
+      for (int64_t m = 0; m < rows; ++m) std::memcpy(queries + m * dim, vectors[first + m]->raw, dim * sizeof(uint16_t));
+      for (int64_t half = 0; half < kBlock; half += 16) {  // scores: 16 columns a tile
+        _tile_zero(2);
+        for (int64_t k = 0; k < dim; k += 32) {
+          _tile_loadd(0, queries + k, dim * sizeof(uint16_t));
+          _tile_loadd(1, keys_t + k / 2 * kBlock + half, kBlock * sizeof(uint32_t));
+          _tile_dpbf16ps(2, 0, 1);
+        }
+        _tile_stored(2, scores + half, kBlock * sizeof(float));
+      }
+      float alphas[kRows];
+      for (int64_t m = 0; m < rows; ++m) {
+        float* row = scores + m * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) row[j] *= scale;
+        alphas[m] = weigh(*vectors[first + m], row, size);
+        for (int64_t j = 0; j < kBlock; ++j) weights[m * kBlock + j] = to_bfloat16_bits(row[j]);
+      }
+      _tile_loadd(0, weights, kBlock * sizeof(uint16_t));
+      for (int64_t i = 0; i < dim; i += 16) {  // weighted values: 16 dims a tile
+        _tile_zero(2);
+        _tile_loadd(1, values + i, dim * sizeof(uint32_t));
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_stored(2, weighted + i, dim * sizeof(float));
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float* acc = vectors[first + m]->acc;
+        const float* block = weighted + m * dim;
+        for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(acc[i], alphas[m], block[i]);
+      }
+    }
+  }
+};
+#endif
+
 // A run of one sequence's rows that one task attends. A sequence's rows are split where they hold
 // more work (columns) than a thread's share over kPartsPerThread: a long prompt chunk's rows would
 // otherwise be a task per kv head, too few to keep every thread busy. Which task attends a row
@@ -255,7 +377,7 @@ std::vector<Part> split_rows(const int64_t* sequence_rows, int64_t sequence_coun
   return parts;
 }
 
-template <typename T>
+template <typename T, typename Blocks>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& positions,
          const at::Tensor& starts, const at::Tensor& counts, const at::Tensor& sequences, const at::Tensor& references,
          const at::Tensor& shared, double scale, at::Tensor& out) {
@@ -276,8 +398,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   const int64_t part_count = static_cast<int64_t>(parts.size());
   // a task: one kv head of one part's rows (kv head first, so neighbouring tasks read apart)
   at::parallel_for(0, kv_heads * part_count, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float keys_t[kMaxDim * kBlock];
-    alignas(64) float rows[kBlock * kMaxDim];
+    auto blocks = std::make_unique<Blocks>();
+    blocks->dim = dim;
+    blocks->scale = static_cast<float>(scale);
     std::vector<float> scaled, acc;
     std::vector<Vector> vectors;
     std::vector<Vector*> sharing;
@@ -289,18 +412,19 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       const int64_t reference = reference_of[part.sequence];
       const T* keys_base = k + kv * stored * dim;
       const T* values_base = v + kv * stored * dim;
-      scaled.assign(count * groups * dim, 0.f);
+      if (Blocks::kScaledQueries) scaled.assign(count * groups * dim, 0.f);
       acc.assign(count * groups * dim, 0.f);
       vectors.resize(count * groups);
       int64_t longest = 0;
       for (int64_t r = 0; r < count; ++r) {
         const T* row_query = q + ((first + r) * heads + kv * groups) * dim;
-        for (int64_t i = 0; i < groups * dim; ++i)
-          scaled[r * groups * dim + i] = to_float(row_query[i]) * static_cast<float>(scale);
+        if (Blocks::kScaledQueries)
+          for (int64_t i = 0; i < groups * dim; ++i)
+            scaled[r * groups * dim + i] = to_float(row_query[i]) * static_cast<float>(scale);
         for (int64_t h = 0; h < groups; ++h) {
           const int64_t index = r * groups + h;
-          vectors[index] = Vector{scaled.data() + index * dim, -std::numeric_limits<float>::infinity(), 0.f,
-                                  acc.data() + index * dim};
+          vectors[index] = Vector{scaled.data() + index * dim, row_query + h * dim,
+                                  -std::numeric_limits<float>::infinity(), 0.f, acc.data() + index * dim};
         }
         longest = std::max(longest, count_of[first + r]);
       }
@@ -312,9 +436,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
           if (start + kBlock <= shared_of[first + r])
             for (int64_t h = 0; h < groups; ++h) sharing.push_back(&vectors[r * groups + h]);
         if (!sharing.empty()) {
-          load_block(keys_base, values_base, position + start_of[reference] + start, kBlock, dim, keys_t, rows);
+          blocks->load(keys_base, values_base, position + start_of[reference] + start, kBlock);
           loaded = true;
-          step(sharing.data(), sharing.size(), keys_t, rows, kBlock, dim);
+          blocks->step(sharing.data(), sharing.size(), kBlock);
         }
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = first + r, columns = count_of[row];
@@ -325,18 +449,18 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             // A prompt row's last block: the reference's, cut short. Its columns past `size` are
             // scored but weighed 0 and never accumulated, so it gives a private load's bits.
             if (!loaded) {
-              load_block(keys_base, values_base, position + start_of[reference] + start,
-                         std::min(kBlock, reference_columns - start), dim, keys_t, rows);
+              blocks->load(keys_base, values_base, position + start_of[reference] + start,
+                           std::min(kBlock, reference_columns - start));
               loaded = true;
             }
-            step(own, groups, keys_t, rows, size, dim);
+            blocks->step(own, groups, size);
             continue;
           }
           // A block of the row's own (a tree node off the reference's branch): loaded for it alone,
           // after which the reference's block must be loaded again.
-          load_block(keys_base, values_base, position + start_of[row] + start, size, dim, keys_t, rows);
+          blocks->load(keys_base, values_base, position + start_of[row] + start, size);
           loaded = false;
-          step(own, groups, keys_t, rows, size, dim);
+          blocks->step(own, groups, size);
         }
       }
       for (int64_t r = 0; r < count; ++r) {
@@ -374,7 +498,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   TORCH_CHECK(query.size(1) % keys.size(0) == 0 && query.size(1) / keys.size(0) <= kMaxGroup, "query heads per kv head");
   at::Tensor out = at::empty_like(query);
   with_element_type(query.scalar_type(), [&](auto zero) {
-    run<decltype(zero)>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
+    using T = decltype(zero);
+#ifdef SPECSERVE_AMX
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if (dim % 32 == 0 && amx_ready())
+        return run<T, AmxBlocks>(query, keys, values, positions, starts, counts, sequences,
+                                                    references, shared, scale, out);
+#endif
+    run<T, FloatBlocks<T>>(query, keys, values, positions, starts, counts, sequences, references, shared, scale, out);
   });
   return out;
 }
