@@ -243,8 +243,12 @@ struct FloatBlocks {
   void load(const T* keys, const T* values, const int64_t* positions, int64_t size) {
     load_block(keys, values, positions, size, dim, keys_t, rows);
   }
-  void step(Vector* const* vectors, int64_t count, int64_t size) {
-    ::step(vectors, count, keys_t, rows, size, dim);
+  // Each vector over the loaded block's first sizes[v] columns (runs of one size a call).
+  void step(Vector* const* vectors, int64_t count, const int64_t* sizes) {
+    for (int64_t first = 0, last; first < count; first = last) {
+      for (last = first + 1; last < count && sizes[last] == sizes[first];) ++last;
+      ::step(vectors + first, last - first, keys_t, rows, sizes[first], dim);
+    }
   }
 };
 
@@ -257,6 +261,18 @@ bool amx_ready() {
   return ready;
 }
 
+// vector_math.h's exp_approx, 16 lanes at once.
+inline __m512 exp_approx(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 whole = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+  const __m512 r = _mm512_fmadd_ps(whole, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(whole, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, whole);
+}
+
 // bfloat16 blocks multiplied on AMX tiles, 16 query vectors a tile: the scores Q K^T and the
 // weighted values P V each a few tile products, where the float32 blocks take dim fused
 // multiply-adds a column per vector (a 256-token prompt chunk's attention: see docs/benchmarks.md).
@@ -267,15 +283,18 @@ bool amx_ready() {
 // bits these are not: a process takes one kind for every call (AMX where the CPU and OS have it).
 struct AmxBlocks {
   static constexpr bool kScaledQueries = false;
-  static constexpr int kRows = 16;  // tile rows: query vectors a product
+  static constexpr int kRows = 16;  // query vectors a tile product (a tile's rows, or its columns' pairs)
   int64_t dim;
   float scale;
-  alignas(64) uint32_t keys_t[kMaxDim / 2 * kBlock];  // [dim / 2][kBlock]: each column's bfloat16 pairs (VNNI)
+  alignas(64) uint16_t keys[kBlock * kMaxDim];        // [kBlock][dim], zero past the columns loaded
   alignas(64) uint32_t values[kBlock / 2 * kMaxDim];  // [kBlock / 2][dim]: each dim's pairs of columns (VNNI)
-  alignas(64) uint16_t queries[kRows * kMaxDim];
+  alignas(64) uint32_t queries[kMaxDim / 2 * kRows];  // [dim / 2][kRows]: each vector's pairs of dims (VNNI)
+  alignas(64) float scores[kBlock * kRows];           // [kBlock][kRows]: a column's scores, one lane a vector
+  alignas(64) float weights_t[kRows * kBlock];        // [kRows][kBlock]
   alignas(64) uint16_t weights[kRows * kBlock];
-  alignas(64) float scores[kRows * kBlock];
   alignas(64) float weighted[kRows * kMaxDim];
+  const void* staged_for[kRows] = {};  // whose queries `queries` holds (the same again: a decoding row's every block)
+  int64_t staged_rows = 0;
 
   AmxBlocks() {
     struct alignas(64) {
@@ -284,23 +303,13 @@ struct AmxBlocks {
       uint8_t rows[16] = {kRows, kRows, kRows};
     } config;
     _tile_loadconfig(&config);
-    std::memset(queries, 0, sizeof(queries));
-    std::memset(weights, 0, sizeof(weights));
   }
   ~AmxBlocks() { _tile_release(); }
 
-  void load(const uint16_t* keys, const uint16_t* values_in, const int64_t* positions, int64_t size) {
+  void load(const uint16_t* keys_in, const uint16_t* values_in, const int64_t* positions, int64_t size) {
     static const uint16_t zeros[kMaxDim] = {};
-    const int64_t pairs = dim / 2;
-    alignas(64) uint32_t staged[kBlock * kMaxDim / 2];  // keys as rows of pairs, then transposed
-    for (int64_t j = 0; j < kBlock; ++j) {
-      if (j < size) std::memcpy(staged + j * pairs, keys + positions[j] * dim, dim * sizeof(uint16_t));
-      else std::memset(staged + j * pairs, 0, dim * sizeof(uint16_t));
-    }
-    for (int64_t first = 0; first < kBlock; first += 16)
-      for (int64_t p = 0; p < pairs; p += 16)
-        transpose_16x16(reinterpret_cast<const float*>(staged + first * pairs + p), pairs,
-                        reinterpret_cast<float*>(keys_t + p * kBlock + first), kBlock);
+    for (int64_t j = 0; j < kBlock; ++j)
+      std::memcpy(keys + j * dim, j < size ? keys_in + positions[j] * dim : zeros, dim * sizeof(uint16_t));
     for (int64_t j = 0; j < kBlock; j += 2) {
       const uint16_t* even = j < size ? values_in + positions[j] * dim : zeros;
       const uint16_t* odd = j + 1 < size ? values_in + positions[j + 1] * dim : zeros;
@@ -309,26 +318,65 @@ struct AmxBlocks {
     }
   }
 
-  void step(Vector* const* vectors, int64_t count, int64_t size) {
+  // Each vector over the loaded block's first sizes[v] columns.
+  void step(Vector* const* vectors, int64_t count, const int64_t* sizes) {
+    const int64_t pairs = dim / 2;
     for (int64_t first = 0; first < count; first += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, count - first);
-      for (int64_t m = 0; m < rows; ++m) std::memcpy(queries + m * dim, vectors[first + m]->raw, dim * sizeof(uint16_t));
-      for (int64_t half = 0; half < kBlock; half += 16) {  // scores: 16 columns a tile
+      const bool staged_already = rows == staged_rows &&
+          std::equal(staged_for, staged_for + rows, vectors + first, [](const void* raw, const Vector* v) { return raw == v->raw; });
+      if (!staged_already) {
+        alignas(64) uint32_t staged[kRows * kMaxDim / 2];  // the vectors' queries as rows of pairs
+        for (int64_t m = 0; m < rows; ++m) std::memcpy(staged + m * pairs, vectors[first + m]->raw, dim * sizeof(uint16_t));
+        for (int64_t p = 0; p < pairs; p += 16)
+          transpose_16x16(reinterpret_cast<const float*>(staged + p), pairs, reinterpret_cast<float*>(queries + p * kRows), kRows);
+        for (int64_t m = 0; m < rows; ++m) staged_for[m] = vectors[first + m]->raw;
+        staged_rows = rows;
+      }
+      for (int64_t half = 0; half < kBlock; half += 16) {  // scores, transposed: K Q^T, 16 columns a tile
         _tile_zero(2);
         for (int64_t k = 0; k < dim; k += 32) {
-          _tile_loadd(0, queries + k, dim * sizeof(uint16_t));
-          _tile_loadd(1, keys_t + k / 2 * kBlock + half, kBlock * sizeof(uint32_t));
+          _tile_loadd(0, keys + half * dim + k, dim * sizeof(uint16_t));
+          _tile_loadd(1, queries + k / 2 * kRows, kRows * sizeof(uint32_t));
           _tile_dpbf16ps(2, 0, 1);
         }
-        _tile_stored(2, scores + half, kBlock * sizeof(float));
+        _tile_stored(2, scores + half * kRows, kRows * sizeof(float));
       }
-      float alphas[kRows];
+      // the online softmax with a lane a vector (lanes past `rows` see no column)
+      constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+      alignas(64) float limit[kRows], old_max[kRows], alpha[kRows];
+      for (int m = 0; m < kRows; ++m) {
+        limit[m] = m < rows ? static_cast<float>(sizes[first + m]) : 0.f;
+        old_max[m] = m < rows ? vectors[first + m]->max_score : kNegInf;
+      }
+      const __m512 limits = _mm512_load_ps(limit), previous = _mm512_load_ps(old_max);
+      const __m512 scaling = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNegInf);
+      __m512 maximum = previous, total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j)), limits, _CMP_LT_OQ);
+        const __m512 score = _mm512_mask_mul_ps(none, seen, _mm512_load_ps(scores + j * kRows), scaling);
+        _mm512_store_ps(scores + j * kRows, score);
+        maximum = _mm512_max_ps(maximum, score);
+      }
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j)), limits, _CMP_LT_OQ);
+        const __m512 weight = _mm512_maskz_mov_ps(seen, exp_approx(_mm512_sub_ps(_mm512_load_ps(scores + j * kRows), maximum)));
+        _mm512_store_ps(scores + j * kRows, weight);
+        total = _mm512_add_ps(total, weight);
+      }
+      const __mmask16 started = _mm512_cmp_ps_mask(previous, none, _CMP_NEQ_OQ);
+      _mm512_store_ps(alpha, _mm512_maskz_mov_ps(started, exp_approx(_mm512_sub_ps(previous, maximum))));
+      alignas(64) float maxima[kRows], totals[kRows];
+      _mm512_store_ps(maxima, maximum);
+      _mm512_store_ps(totals, total);
       for (int64_t m = 0; m < rows; ++m) {
-        float* row = scores + m * kBlock;
-        for (int64_t j = 0; j < kBlock; ++j) row[j] *= scale;
-        alphas[m] = weigh(*vectors[first + m], row, size);
-        for (int64_t j = 0; j < kBlock; ++j) weights[m * kBlock + j] = to_bfloat16_bits(row[j]);
+        Vector& vector = *vectors[first + m];
+        vector.total = vector.total * alpha[m] + totals[m];
+        vector.max_score = maxima[m];
       }
+      for (int64_t half = 0; half < kBlock; half += 16)  // the weights as rows, in bfloat16
+        transpose_16x16(scores + half * kRows, kRows, weights_t + half, kBlock);
+      for (int64_t i = 0; i < rows * kBlock; ++i) weights[i] = to_bfloat16_bits(weights_t[i]);  // rows past: unread
       _tile_loadd(0, weights, kBlock * sizeof(uint16_t));
       for (int64_t i = 0; i < dim; i += 16) {  // weighted values: 16 dims a tile
         _tile_zero(2);
@@ -339,7 +387,7 @@ struct AmxBlocks {
       for (int64_t m = 0; m < rows; ++m) {
         float* acc = vectors[first + m]->acc;
         const float* block = weighted + m * dim;
-        for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(acc[i], alphas[m], block[i]);
+        for (int64_t i = 0; i < dim; ++i) acc[i] = std::fma(acc[i], alpha[m], block[i]);
       }
     }
   }
@@ -404,6 +452,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     std::vector<float> scaled, acc;
     std::vector<Vector> vectors;
     std::vector<Vector*> sharing;
+    std::vector<int64_t> sizes;
     Vector* own[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / part_count;
@@ -430,37 +479,34 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
       }
       const int64_t reference_columns = count_of[reference];
       for (int64_t start = 0; start < longest; start += kBlock) {
-        sharing.clear();  // the vectors of rows whose positions here are the reference row's
-        bool loaded = false;
-        for (int64_t r = 0; r < count; ++r)
-          if (start + kBlock <= shared_of[first + r])
-            for (int64_t h = 0; h < groups; ++h) sharing.push_back(&vectors[r * groups + h]);
-        if (!sharing.empty()) {
-          blocks->load(keys_base, values_base, position + start_of[reference] + start, kBlock);
-          loaded = true;
-          blocks->step(sharing.data(), sharing.size(), kBlock);
-        }
+        // The vectors of rows whose columns here are the reference row's: all kBlock of them, or a
+        // prompt row's last block, the reference's cut short (its columns past its size are scored
+        // but weighed 0, so a row gets the bits of a block loaded for it alone).
+        sharing.clear();
+        sizes.clear();
         for (int64_t r = 0; r < count; ++r) {
-          const int64_t row = first + r, columns = count_of[row];
-          if (start >= columns || start + kBlock <= shared_of[row]) continue;
-          const int64_t size = std::min(kBlock, columns - start);
-          for (int64_t h = 0; h < groups; ++h) own[h] = &vectors[r * groups + h];
-          if (start + size <= shared_of[row]) {
-            // A prompt row's last block: the reference's, cut short. Its columns past `size` are
-            // scored but weighed 0 and never accumulated, so it gives a private load's bits.
-            if (!loaded) {
-              blocks->load(keys_base, values_base, position + start_of[reference] + start,
-                           std::min(kBlock, reference_columns - start));
-              loaded = true;
+          const int64_t row = first + r, size = std::min(kBlock, count_of[row] - start);
+          if (size > 0 && start + size <= shared_of[row])
+            for (int64_t h = 0; h < groups; ++h) {
+              sharing.push_back(&vectors[r * groups + h]);
+              sizes.push_back(size);
             }
-            blocks->step(own, groups, size);
-            continue;
+        }
+        if (!sharing.empty()) {
+          blocks->load(keys_base, values_base, position + start_of[reference] + start,
+                       std::min(kBlock, reference_columns - start));
+          blocks->step(sharing.data(), sharing.size(), sizes.data());
+        }
+        for (int64_t r = 0; r < count; ++r) {  // blocks of a row's own (a tree node off the reference's branch)
+          const int64_t row = first + r, size = std::min(kBlock, count_of[row] - start);
+          if (size <= 0 || start + size <= shared_of[row]) continue;
+          int64_t own_sizes[kMaxGroup];
+          for (int64_t h = 0; h < groups; ++h) {
+            own[h] = &vectors[r * groups + h];
+            own_sizes[h] = size;
           }
-          // A block of the row's own (a tree node off the reference's branch): loaded for it alone,
-          // after which the reference's block must be loaded again.
           blocks->load(keys_base, values_base, position + start_of[row] + start, size);
-          loaded = false;
-          blocks->step(own, groups, size);
+          blocks->step(own, groups, own_sizes);
         }
       }
       for (int64_t r = 0; r < count; ++r) {
