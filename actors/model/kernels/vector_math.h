@@ -6,18 +6,22 @@
 
 namespace specserve_kernels {
 
+namespace exp_constants {  // Cephes' expf, shared with the kernels' 16-lane exp
+inline constexpr float kLowest = -87.0f, kHighest = 88.0f;
+inline constexpr float kLog2E = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
+inline constexpr float kPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_constants
+
 // e^x within a couple of float32 ulps (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n),
 // x clamped to [-87, 88]: below, about 1e-38 instead of 0; above, about 1.6e38 instead of infinity.
 inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float whole = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - whole * 0.693359375f + whole * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  namespace k = exp_constants;
+  x = x < k::kLowest ? k::kLowest : (x > k::kHighest ? k::kHighest : x);
+  const float whole = std::floor(x * k::kLog2E + 0.5f);
+  const float r = x - whole * k::kLn2High + whole * k::kLn2Low;
+  float p = k::kPolynomial[0];
+  for (int i = 1; i < 6; ++i) p = p * r + k::kPolynomial[i];
   p = p * r * r + r + 1.0f;
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(whole) + 127) << 23);
 }
