@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from actors.model.config import DecoderConfig
-from actors.model.llama import LlamaDecoder, Projection
+from actors.model.llama import LlamaDecoder
 from actors.model.loader import load_tensors
+from actors.model.projection import Projection
 from speculators.heads.checkpoint import load_head
 from speculators.proposers.base import Proposer
 from speculators.proposers.eagle import EagleProposer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from actors.model import kernels
-from actors.model.llama import ONEDNN_DTYPES
+from actors.model.projection import ONEDNN_DTYPES
 
 AUTO = "auto"
 

@@ -6,11 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from actors.model import llama
+from actors.model import projection
 from actors.model.fused import stack_in_place, stacked_view
-from actors.model.llama import LlamaDecoder, decoder_from_tensors, project
+from actors.model.llama import LlamaDecoder, decoder_from_tensors
 from actors.model.loader import load_tensors
 from actors.model.precision import cpu_has_bfloat16
+from actors.model.projection import project
 from actors.model.runner import ModelRunner
 from speculators.proposers.base import TreeInput
 from speculators.tree import chain_parents
@@ -73,10 +74,10 @@ def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_i
     """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T,
     or torch's own product where this CPU's oneDNN cannot pack the dtype); every one is the same
     product, and a weight changed in place is packed again."""
-    if packed and dtype not in llama.ONEDNN_DTYPES:
+    if packed and dtype not in projection.ONEDNN_DTYPES:
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     if not packed:
-        monkeypatch.setattr(llama, "ONEDNN_DTYPES", ())
+        monkeypatch.setattr(projection, "ONEDNN_DTYPES", ())
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
@@ -92,17 +93,39 @@ def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_i
 
 @pytest.mark.default_model
 @pytest.mark.skipif(not cpu_has_bfloat16(), reason="no native bfloat16 on this CPU (the products differ there)")
-def test_a_bfloat16_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_pass(default_model_path):
+@pytest.mark.parametrize("threads", [1, None], ids=["one-thread", "every-thread"])
+def test_a_bfloat16_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_pass(default_model_path, threads):
     """What bfloat16 verification needs to equal plain decoding (docs/lossless.md): a row's product
-    is bitwise the one it gets alone, at any row count of the pass. The default target's products,
-    whose down projection oneDNN gave other bits from 160 rows on (so `project` splits passes)."""
+    is bitwise the one it gets alone, at any row count of the pass and at the thread counts the
+    engine moves between. The default target's products, whose down projection oneDNN gives other
+    bits at 160-256 rows on two threads and from 193 on one (so `project` splits those calls)."""
     names = ["model.layers.5.mlp.down_proj.weight", "model.layers.5.mlp.gate_proj.weight", "model.embed_tokens.weight"]
     tensors = load_tensors(default_model_path, names, torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
-    for name in names:
-        weight = tensors[name].contiguous()
-        rows = torch.randn(512, weight.shape[1], generator=generator).to(torch.bfloat16)
-        alone = torch.cat([project(rows[i:i + 1], weight) for i in range(24)])
-        for count in [*range(2, 40, 3), 64, 128, 129, 160, 208, 224, 240, 256, 300, 512]:
-            kept = min(count, 24)
-            assert torch.equal(project(rows[:count], weight)[:kept], alone[:kept]), (name, count)
+    most = torch.get_num_threads()
+    torch.set_num_threads(threads or most)
+    try:
+        for name in names:
+            weight = tensors[name].contiguous()
+            rows = torch.randn(2048, weight.shape[1], generator=generator).to(torch.bfloat16)
+            watched = [*range(24), *range(100, 2048, 97)]
+            alone = {i: project(rows[i:i + 1], weight) for i in watched}
+            for count in [*range(2, 40, 3), 64, 128, 129, 160, 193, 208, 256, 300, 512, 1024, 2048]:
+                if weight.shape[0] > 10_000 and count > 512:  # the LM head sees a pass's logit rows only
+                    continue
+                product = project(rows[:count], weight)
+                for i in (i for i in watched if i < count):
+                    assert torch.equal(product[i:i + 1], alone[i]), (name, count, i)
+    finally:
+        torch.set_num_threads(most)
+
+
+def test_a_large_half_precision_call_is_split_into_counts_found_invariant(monkeypatch):
+    """`call_counts` never uses a row count `row_invariant` rejects: the largest accepted count
+    that fits, again, then the rest in calls of at most 128 rows."""
+    monkeypatch.setattr(projection, "row_invariant", lambda rows, *_: rows not in (256, 2048))
+    weight = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert projection.call_counts(100, weight, weight, None) == [100]
+    assert projection.call_counts(300, weight, weight, None) == [192, 108]
+    assert projection.call_counts(2100, weight, weight, None) == [1024, 1024, 52]
+    assert projection.call_counts(160, weight, weight, None) == [128, 32]

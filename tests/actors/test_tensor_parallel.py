@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from actors.messages import AdmitItem, RequestFailed, VerifyItem
-from actors.model.llama import project
 from actors.model.loader import load_model
+from actors.model.projection import project
 from actors.model.sharding import ShardPlan
 from actors.target_group import TargetGroup
 from actors.target_worker import CacheOptions

@@ -1,0 +1,149 @@
+"""x @ W.T for the decoder's projections, the fastest way for the device that keeps a row's bits its own.
+
+Speculative greedy output equals plain decoding's only if a row's product does not depend on the
+other rows of its pass (docs/lossless.md). In half precision on a CPU oneDNN gives a row the same
+bits in calls of 1 to 128 rows; past that it depends on the call's row count, the weight's shape
+and the thread count (a down projection of 1,536 inputs changed at 160-256 rows on two threads and
+from 193 on one), and a 128-row call is far slower a row than a large one (a 1,024-token prompt's
+products 1.55x). So a large call is split into the largest counts that this weight shape, at this
+thread count, was seen to give every row the bits of 128-row calls (`row_invariant_counts`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+SMALL_ROWS = 2
+"""Up to this many rows a float32 CPU product runs as `(W @ x.T).T` (see `project`)."""
+
+
+def _onednn_linear() -> Callable | None:
+    """oneDNN's linear, when this torch build has it."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    return None if op is None else lambda x, weight, bias: op(x, weight, bias, "none", [], "")
+
+
+ONEDNN_LINEAR = _onednn_linear()
+ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if ONEDNN_LINEAR is not None else None
+PACK_ROWS_HINT = {torch.float32: 16, torch.bfloat16: 1, torch.float16: 1}
+"""The row count oneDNN blocks a packed weight for. float32: 16, measured as fast as a count's own
+packing from 3 to 256 rows and no slower at one. Half precision: 1, as fast, and the only hint
+measured to give a row the same bits at every row count of the call (with 16, the LM head's rows
+changed from 33 rows on): what bfloat16 verification needs to equal plain decoding."""
+
+
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN packs and multiplies on this CPU. Its reduced-precision paths need
+    instruction sets some x86 CPUs lack (bfloat16: AVX512-BW/VL/DQ or AVX-NE-CONVERT), and it says
+    so only by raising on the first pack; those dtypes take torch's own products instead."""
+    if ONEDNN_PACK is None:
+        return ()
+    packable = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        weight, x = torch.ones(16, 16, dtype=dtype), torch.ones(4, 16, dtype=dtype)
+        try:
+            ONEDNN_LINEAR(x, ONEDNN_PACK(weight, PACK_ROWS_HINT[dtype]), None)
+        except RuntimeError:
+            continue
+        packable.append(dtype)
+    return tuple(packable)
+
+
+ONEDNN_DTYPES = _packable_dtypes()
+INVARIANT_ROWS = 128
+"""oneDNN gives a half-precision row the same bits in every call of 1 to this many rows (measured on
+every shape of the default target, at one and two threads)."""
+LARGE_CALL_ROWS = (2048, 1024, 512, 384, 256, 192)
+"""Row counts past `INVARIANT_ROWS` a half-precision call may have where `row_invariant_counts` finds
+them invariant, largest first."""
+_invariant_counts: dict[tuple, bool] = {}
+"""(dtype, weight shape, bias or not, threads, rows) -> whether a call of that many rows gives every
+row the bits of 128-row calls."""
+_packed_weights = WeakIdKeyDictionary()
+"""weight -> (its version when packed, oneDNN's packed copy): made on first use, again after an
+in-place change (a load, a test setting weights)."""
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed (blocked) copy of a contiguous CPU weight: with it a pass of 16 sequences x
+    1 token took 0.70 of the time in float32 and 0.86 in bfloat16, and a one-token pass in bfloat16
+    0.66, where unpacked oneDNN takes a slow path (docs/benchmarks.md, "Measurements behind the
+    code"). The copy doubles the weights' memory on a CPU."""
+    entry = _packed_weights.get(weight)
+    if entry is None or entry[0] != weight._version:
+        entry = (weight._version, ONEDNN_PACK(weight.detach(), PACK_ROWS_HINT[weight.dtype]))
+        _packed_weights[weight] = entry
+    return entry[1]
+
+
+def row_invariant(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a half-precision call of `rows` rows over `weight` gives every row the bits that
+    calls of `INVARIANT_ROWS` rows give it, at torch's thread count now. Found once per weight
+    shape, thread count and row count, on random rows: a call that sums a row's products in
+    another order changes some of thousands of outputs, so one probe tells (it costs about two
+    calls of that size, once)."""
+    if rows <= INVARIANT_ROWS:
+        return True
+    key = (weight.dtype, tuple(weight.shape), bias is not None, torch.get_num_threads(), rows)
+    known = _invariant_counts.get(key)
+    if known is None:
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        alone = [ONEDNN_LINEAR(x[first:first + INVARIANT_ROWS], packed, bias) for first in range(0, rows, INVARIANT_ROWS)]
+        known = _invariant_counts[key] = torch.equal(ONEDNN_LINEAR(x, packed, bias), torch.cat(alone))
+    return known
+
+
+def call_counts(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list[int]:
+    """The row counts a half-precision product of `rows` rows is split into: the largest invariant
+    count that fits, again, then what is left (at most `INVARIANT_ROWS` a call)."""
+    counts = []
+    while rows > INVARIANT_ROWS:
+        count = next((n for n in LARGE_CALL_ROWS if n <= rows and row_invariant(n, weight, packed, bias)), INVARIANT_ROWS)
+        counts.append(count)
+        rows -= count
+    return counts + [rows] if rows else counts
+
+
+class Projection(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) with the fastest product for the row counts
+    speculative decoding runs; see `project`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.bias)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x [rows, in], the fastest way for the device.
+
+    On a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
+    oneDNN's linear over a packed copy of the weight (`packed_weight`) in bfloat16 at every row
+    count (a large pass in the calls `call_counts` gives) and in float32 past `SMALL_ROWS` rows; up
+    to there, `(W @ x.T).T`, which reads float32 weights at memory speed for 2 rows (1 row takes a
+    slower matrix-vector path, so it gets a zero row). F.linear costs about the same for 1 to 16
+    rows, well above what the weights' memory traffic allows. oneDNN only gets contiguous weights:
+    on a strided one (a tensor-parallel column slice) it takes a far slower reference path. On CUDA, plain F.linear.
+    Figures: docs/benchmarks.md, "Measurements behind the code".
+    """
+    if x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
+        packed, x, parts, first = packed_weight(weight), x.contiguous(), [], 0
+        for count in call_counts(rows, weight, packed, bias):
+            parts.append(ONEDNN_LINEAR(x[first:first + count], packed, bias))
+            first += count
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if packs and (rows > SMALL_ROWS or x.dtype != torch.float32):
+        return ONEDNN_LINEAR(x.contiguous(), packed_weight(weight), bias)
+    if rows > SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    if rows == 1:  # one row takes a slower matrix-vector path
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    # MKL's fast path wants x.T column-major, i.e. x row-major; so is the output, for what follows
+    out = (weight @ x.contiguous().t()).t()[:rows].contiguous()
+    return out if bias is None else out + bias
