@@ -58,7 +58,7 @@ class SchedulerConfig(BaseModel):
         "the load they arrive with while running streams' gaps stay bounded; null: a whole prompt in the pass that "
         "admits it (as many prompts a pass as max_num_batched_tokens holds)")
     prefill_pass_ratio: float = Field(
-        2.0, gt=0, description="with prefill_chunk_tokens \"auto\": a pass carrying prompt tokens costs at most "
+        4.0, gt=0, description="with prefill_chunk_tokens \"auto\": a pass carrying prompt tokens costs at most "
         "(1 + this) times its decoding alone, which gives prompts this share of the target while they wait")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="most prompt tokens plus decoding requests in one pass, so no burst of long prompts "

@@ -102,14 +102,14 @@ CURVE = CostCurve([CostPoint(n, 1, 0.040 + 0.004 * n) for n in (1, 16, 64)] + [C
 
 def test_an_auto_chunk_costs_its_share_of_the_passs_decoding_at_every_load():
     config = SchedulerConfig(max_sequences=32, max_len=4096)
-    assert config.prefill_chunk_tokens == "auto" and config.prefill_pass_ratio == 2.0
+    assert config.prefill_chunk_tokens == "auto" and config.prefill_pass_ratio == 4.0
     one, sixteen = decoding_scheduler(config, 1, CURVE), decoding_scheduler(config, 16, CURVE)
     assert one.decoding == 1 and sixteen.decoding == 16
-    assert one.plan().chunks == [("long", MIN_AUTO_CHUNK)]  # 2 x 44 ms of prompt is 22 tokens: the floor
-    assert sixteen.plan().chunks == [("long", 80)]  # 2 x 160 ms of prompt at 4 ms a token
+    assert one.plan().chunks == [("long", MIN_AUTO_CHUNK)]  # 4 x 44 ms of prompt is 44 tokens: the floor
+    assert sixteen.plan().chunks == [("long", 160)]  # 4 x 160 ms of prompt at 4 ms a token
     assert decoding_scheduler(config, 16).plan().chunks == [("long", MIN_AUTO_CHUNK)]  # no curve: the floor
     sixteen.prefilled([], decoded_tokens=64)  # the last pass verified trees of 64 tokens in all: dearer
-    assert sixteen.plan().chunks == [("long", int(2 * CURVE.seconds(64, 16) / CURVE.seconds_per_token()))]  # 176
+    assert sixteen.plan().chunks == [("long", int(4 * CURVE.seconds(64, 16) / CURVE.seconds_per_token()))]  # 352
     fixed = SchedulerConfig(max_sequences=32, max_len=4096, prefill_chunk_tokens=100)
     assert decoding_scheduler(fixed, 16, CURVE).plan().chunks == [("long", 100)]
 
