@@ -72,6 +72,25 @@ def test_rows_sharing_a_prefix_give_the_bits_they_get_alone():
         assert torch.equal(together[row:row + 1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_whether_its_keys_lie_in_adjacent_blocks_or_apart(dtype):
+    """The kernel reads keys held at consecutive storage positions where they lie and copies others;
+    a row's output cannot depend on which: the same 70 positions in blocks of 8 stored in order
+    (16 columns a run) and with each pair of blocks swapped (no run of 16)."""
+    torch.manual_seed(2)
+    in_order, swapped = list(range(2, 12)), [3, 2, 5, 4, 7, 6, 9, 8, 11, 10]
+    caches = {}
+    for name, table in (("in order", in_order), ("swapped", swapped)):
+        cache = caches[name] = KVCache(1, 16, 8, 128, KV_HEADS, DIM, dtype=dtype)
+        stored = cache.index(table, 70)
+        generator = torch.Generator().manual_seed(3)
+        cache.keys[:, :, stored] = torch.randn(1, KV_HEADS, 70, DIM, generator=generator).to(dtype)
+        cache.values[:, :, stored] = torch.randn(1, KV_HEADS, 70, DIM, generator=generator).to(dtype)
+    q = torch.randn(1, HEADS, DIM).to(dtype)
+    ordered = attend(caches["in order"], [Segment(in_order, 69, 1)], q)
+    assert torch.equal(ordered, attend(caches["swapped"], [Segment(swapped, 69, 1)], q))
+
+
 def test_without_a_compiler_the_kernel_is_unavailable_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(kernels, "library_path", lambda: tmp_path / "missing" / "specserve_kernels.so")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

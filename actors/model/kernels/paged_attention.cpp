@@ -99,6 +99,18 @@ void load_block(const T* keys, const T* values, const int64_t* positions, int64_
     for (int64_t i = 0; i < dim; ++i) keys_t[i * kBlock + j] = staged[j * dim + i];
 }
 
+// A block's keys and values requested from memory ahead of use: the next block's, while this one
+// is computed (decoding rows read every cached position once a pass, so their attention waits on memory).
+template <typename T>
+void prefetch_block(const T* keys, const T* values, const int64_t* positions, int64_t size, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < size; ++j)
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(keys + positions[j] * dim) + offset);
+      __builtin_prefetch(reinterpret_cast<const char*>(values + positions[j] * dim) + offset);
+    }
+}
+
 // One query vector (a row's query head): its running max, sum of weights and weighted values.
 struct Vector {
   const float* query;  // [dim], scaled (the float32 blocks' product)
@@ -290,6 +302,7 @@ struct AmxBlocks {
   int64_t dim;
   float scale;
   alignas(64) uint16_t keys[kBlock * kMaxDim];        // [kBlock][dim], zero past the columns loaded
+  const uint16_t* key_rows[kBlock / kRows] = {};      // each 16 columns' keys: `keys`, or the cache's own
   alignas(64) uint32_t values[kBlock / 2 * kMaxDim];  // [kBlock / 2][dim]: each dim's pairs of columns (VNNI)
   alignas(64) uint32_t queries[kMaxDim / 2 * kRows];  // [dim / 2][kRows]: each vector's pairs of dims (VNNI)
   alignas(64) float scores[kBlock * kRows];           // [kBlock][kRows]: a column's scores, one lane a vector
@@ -309,10 +322,21 @@ struct AmxBlocks {
   }
   ~AmxBlocks() { _tile_release(); }
 
+  // Keys of 16 columns held at consecutive storage positions (a cache block's, the common case) are
+  // read by the tile loads where they lie; others are copied (zero past `size`). Same bits either way.
   void load(const uint16_t* keys_in, const uint16_t* values_in, const int64_t* positions, int64_t size) {
     static const uint16_t zeros[kMaxDim] = {};
-    for (int64_t j = 0; j < kBlock; ++j)
-      std::memcpy(keys + j * dim, j < size ? keys_in + positions[j] * dim : zeros, dim * sizeof(uint16_t));
+    for (int64_t half = 0; half < kBlock; half += kRows) {
+      const int64_t* run = positions + half;
+      if (half + kRows <= size && run[kRows - 1] - run[0] == kRows - 1 &&
+          std::adjacent_find(run, run + kRows, [](int64_t a, int64_t b) { return b != a + 1; }) == run + kRows) {
+        key_rows[half / kRows] = keys_in + run[0] * dim;
+        continue;
+      }
+      for (int64_t j = half; j < half + kRows; ++j)
+        std::memcpy(keys + j * dim, j < size ? keys_in + positions[j] * dim : zeros, dim * sizeof(uint16_t));
+      key_rows[half / kRows] = keys + half * dim;
+    }
     for (int64_t j = 0; j < kBlock; j += 2) {
       const uint16_t* even = j < size ? values_in + positions[j] * dim : zeros;
       const uint16_t* odd = j + 1 < size ? values_in + positions[j + 1] * dim : zeros;
@@ -339,7 +363,7 @@ struct AmxBlocks {
       for (int64_t half = 0; half < kBlock; half += 16) {  // scores, transposed: K Q^T, 16 columns a tile
         _tile_zero(2);
         for (int64_t k = 0; k < dim; k += 32) {
-          _tile_loadd(0, keys + half * dim + k, dim * sizeof(uint16_t));
+          _tile_loadd(0, key_rows[half / kRows] + k, dim * sizeof(uint16_t));
           _tile_loadd(1, queries + k / 2 * kRows, kRows * sizeof(uint32_t));
           _tile_dpbf16ps(2, 0, 1);
         }
@@ -494,6 +518,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             }
         }
         if (!sharing.empty()) {
+          if (start + kBlock < reference_columns)
+            prefetch_block(keys_base, values_base, position + start_of[reference] + start + kBlock,
+                           std::min(kBlock, reference_columns - start - kBlock), dim);
           blocks->load(keys_base, values_base, position + start_of[reference] + start,
                        std::min(kBlock, reference_columns - start));
           blocks->step(sharing.data(), sharing.size(), sizes.data());
