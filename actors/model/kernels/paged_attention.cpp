@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -471,15 +472,19 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
   T* o = elements<T>(out);
   const std::vector<Part> parts = split_rows(sequence_rows, sequence_count, count_of, at::get_num_threads());
   const int64_t part_count = static_cast<int64_t>(parts.size());
-  // a task: one kv head of one part's rows (kv head first, so neighbouring tasks read apart)
-  at::parallel_for(0, kv_heads * part_count, 1, [&](int64_t begin, int64_t end) {
+  // A task: one kv head of one part's rows (kv head first, so neighbouring tasks read apart). Each
+  // thread takes the next task left rather than a fixed share, so a thread the OS deschedules (a
+  // server's other work on these cores) holds the pass up by one task, not by half of it.
+  const int64_t tasks = kv_heads * part_count;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
     auto blocks = std::make_unique<Blocks>(dim, static_cast<float>(scale));
     std::vector<float> scaled, acc;
     std::vector<Vector> vectors;
     std::vector<Vector*> sharing;
     std::vector<int64_t> sizes;
     Vector* own[kMaxGroup];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = next_task++; task < tasks; task = next_task++) {
       const int64_t kv = task / part_count;
       const Part& part = parts[task % part_count];
       const int64_t first = part.first, count = part.end - part.first;
