@@ -6,7 +6,7 @@ bits in calls of 1 to 128 rows; past that it depends on the call's row count, th
 and the thread count (a down projection of 1,536 inputs changed at 160-256 rows on two threads and
 from 193 on one), and a 128-row call is far slower a row than a large one (a 1,024-token prompt's
 products 1.55x). So a large call is split into the largest counts that this weight shape, at this
-thread count, was seen to give every row the bits of 128-row calls (`row_invariant_counts`).
+thread count, was seen to give every row the bits of 128-row calls (`row_invariant`).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ INVARIANT_ROWS = 128
 """oneDNN gives a half-precision row the same bits in every call of 1 to this many rows (measured on
 every shape of the default target, at one and two threads)."""
 LARGE_CALL_ROWS = (2048, 1024, 512, 384, 256, 192)
-"""Row counts past `INVARIANT_ROWS` a half-precision call may have where `row_invariant_counts` finds
+"""Row counts past `INVARIANT_ROWS` a half-precision call may have where `row_invariant` finds
 them invariant, largest first."""
 _invariant_counts: dict[tuple, bool] = {}
 """(dtype, weight shape, bias or not, threads, rows) -> whether a call of that many rows gives every
