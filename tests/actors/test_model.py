@@ -84,3 +84,18 @@ def test_default_model_logits_match_transformers(default_model_path):
     reference = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     ids = [1, 504, 3458, 282, 4649, 314, 3240, 30, 378, 253, 1234, 99, 45]
     assert relative_error(full_logits(ours, ids), reference_logits(reference, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_likeliest_token_is_the_first_of_equal_maxima_as_argmax_gives_it(dtype, monkeypatch):
+    """`likeliest` takes the argmax token without the full logits' argmax: the same index, also
+    where several tokens tie for the maximum (bfloat16 logits tie often) or a logit is NaN."""
+    model = tiny_pair()[0].to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, model.config.vocab_size, generator=generator) * 2).round().to(dtype)
+    logits[1, :] = 3.0  # every token ties
+    logits[2, 7] = float("nan")
+    monkeypatch.setattr("actors.model.llama.project", lambda hidden, weight: logits)
+    hidden = torch.zeros(6, model.config.hidden_size, dtype=dtype)
+    assert torch.equal(model.likeliest(hidden), logits.float().argmax(-1))
+    assert model.likeliest(hidden)[1] == 0 and model.likeliest(hidden)[2] == 7
