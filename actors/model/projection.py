@@ -133,10 +133,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows = x.shape[0]
     packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
-        packed, x, parts, first = packed_weight(weight), x.contiguous(), [], 0
-        for count in call_counts(rows, weight, packed, bias):
-            parts.append(ONEDNN_LINEAR(x[first:first + count], packed, bias))
-            first += count
+        packed = packed_weight(weight)
+        parts = [ONEDNN_LINEAR(part, packed, bias) for part in x.contiguous().split(call_counts(rows, weight, packed, bias))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     if packs and (rows > SMALL_ROWS or x.dtype != torch.float32):
         return ONEDNN_LINEAR(x.contiguous(), packed_weight(weight), bias)

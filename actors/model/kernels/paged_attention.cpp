@@ -329,7 +329,7 @@ struct AmxBlocks {
     static const uint16_t zeros[kMaxDim] = {};
     for (int64_t half = 0; half < kBlock; half += kRows) {
       const int64_t* run = positions + half;
-      if (half + kRows <= size && run[kRows - 1] - run[0] == kRows - 1 &&
+      if (half + kRows <= size &&
           std::adjacent_find(run, run + kRows, [](int64_t a, int64_t b) { return b != a + 1; }) == run + kRows) {
         key_rows[half / kRows] = keys_in + run[0] * dim;
         continue;
