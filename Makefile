@@ -36,14 +36,17 @@ bench: setup
 # for this single-machine cluster (Ray 2.60 turns it on for new clusters). Ray runs its workers at
 # nice 15, so any other busy process on the machine (a load generator, a build) would take the CPU
 # from the model; here the model is the machine's job, so workers run at the usual priority.
+# A config with one replica is served by the replica itself on its ports (direct ingress, Serve's
+# proxy moved 100 ports up: cluster/serve/direct_ingress.py), from the copy in .ray-serve.yaml.
 METRICS_PORT ?= 8080
 CONFIG ?= configs/serve.yaml
 serve: setup
 	@export RAY_AUTH_MODE=disabled RAY_worker_niceness=0; \
+	exports=$$($(PY) -m cluster.serve.direct_ingress $(CONFIG) .ray-serve.yaml) || exit 1; eval "$$exports"; \
 	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
 		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
 	trap '$(VENV)/bin/ray stop > /dev/null 2>&1' EXIT INT TERM; \
-	$(VENV)/bin/serve run --address auto $(CONFIG)
+	$(VENV)/bin/serve run --address auto .ray-serve.yaml
 
 # regenerate the committed gRPC modules after editing protos/specserve.proto
 protos: setup

@@ -26,6 +26,7 @@ from ray import serve
 from cluster.engine.request import GenerationRequest
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import SpecCluster
+from cluster.serve.direct_ingress import replica_ports
 from cluster.serve.grpc_api import (
     WorkerFailed,
     checked,
@@ -135,14 +136,20 @@ def serving_ready(details, app_name: str) -> bool:
 
 
 def ready_line(model_ids: list[str], details) -> str:
-    """`specserve ready: model M, HTTP on HOST:PORT, gRPC on PORT`, from Serve's proxy options."""
+    """`specserve ready: model M, HTTP on HOST:PORT, gRPC on PORT`, from Serve's proxy options, or
+    the replica's own ports under direct ingress (direct_ingress.py), the proxy's after them."""
     if str(getattr(details.proxy_location, "value", details.proxy_location)) == "Disabled":
         where = "no HTTP or gRPC proxy (proxy_location: Disabled)"
     else:
         http, grpc_options = details.http_options, details.grpc_options
-        where = f"HTTP on {http.host}:{http.port}" if http is not None else "HTTP off"
         served_grpc = grpc_options is not None and grpc_options.grpc_servicer_functions
-        where += f", gRPC on {grpc_options.port}" if served_grpc else ", gRPC off (no grpc_servicer_functions)"
+        direct = replica_ports()
+        if direct is not None and http is not None:
+            where = f"HTTP on {http.host}:{direct[0]}" + (f", gRPC on {direct[1]}" if served_grpc else "")
+            where += f" (this replica; Serve's proxy on {http.port}" + (f" and {grpc_options.port})" if served_grpc else ")")
+        else:
+            where = f"HTTP on {http.host}:{http.port}" if http is not None else "HTTP off"
+            where += f", gRPC on {grpc_options.port}" if served_grpc else ", gRPC off (no grpc_servicer_functions)"
     return f"specserve ready: model {', '.join(model_ids)}, {where}"
 
 

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import ray
@@ -115,3 +116,16 @@ def channel(ports):
     channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
     yield channel
     channel.close()
+
+
+def ready_lines(app_name: str, timeout_s: float = 60) -> list[str]:
+    """The `specserve ready` lines in the logs of `app_name`'s replicas on this process's Ray, once
+    there is one (or none after `timeout_s`): the replica logs it when the application answers."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    deadline = time.time() + timeout_s
+    while True:
+        lines = [line for log in logs.glob(f"replica_{app_name}_SpecServer_*.log")
+                 for line in log.read_text(errors="replace").splitlines() if "specserve ready" in line]
+        if lines or time.time() > deadline:
+            return lines
+        time.sleep(0.5)

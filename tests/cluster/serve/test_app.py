@@ -5,12 +5,10 @@ import http.client
 import json
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
-import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
@@ -20,7 +18,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.serve.app import build_app
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc
-from tests.cluster.ray_fixtures import ray_four_gpus, shared_serve  # noqa: F401  (module-scoped fixtures)
+from tests.cluster.ray_fixtures import ray_four_gpus, ready_lines, shared_serve  # noqa: F401  (module-scoped fixtures)
 
 pytestmark = pytest.mark.default_model
 PROMPT = "List the first five prime numbers, separated by commas:"
@@ -157,15 +155,8 @@ def test_the_deployed_app_keeps_its_docs_off_and_bounds_its_bodies_and_shares_wi
 
 def test_the_first_replica_says_when_the_application_is_ready(ports):
     """One line with the ports in the replica's log (and on its stderr, which `serve run` shows)."""
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
     expected = f"specserve ready: model smollm2-135m, HTTP on 127.0.0.1:{ports[0]}, gRPC on {ports[1]} ("
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        lines = [line for log in logs.glob("replica_specserve_SpecServer_*.log")
-                 for line in log.read_text(errors="replace").splitlines() if "specserve ready" in line]
-        if lines:
-            break
-        time.sleep(0.5)
+    lines = ready_lines("specserve")
     assert len(lines) == 1 and expected in lines[0], lines
 
 
