@@ -143,13 +143,12 @@ def ready_line(model_ids: list[str], details) -> str:
     else:
         http, grpc_options = details.http_options, details.grpc_options
         served_grpc = grpc_options is not None and grpc_options.grpc_servicer_functions
-        direct = replica_ports()
-        if direct is not None and http is not None:
-            where = f"HTTP on {http.host}:{direct[0]}" + (f", gRPC on {direct[1]}" if served_grpc else "")
+        direct = replica_ports() if http is not None else None
+        http_port, grpc_port = direct or (http and http.port, grpc_options and grpc_options.port)
+        where = f"HTTP on {http.host}:{http_port}" if http is not None else "HTTP off"
+        where += f", gRPC on {grpc_port}" if served_grpc else ", gRPC off (no grpc_servicer_functions)"
+        if direct is not None:
             where += f" (this replica; Serve's proxy on {http.port}" + (f" and {grpc_options.port})" if served_grpc else ")")
-        else:
-            where = f"HTTP on {http.host}:{http.port}" if http is not None else "HTTP off"
-            where += f", gRPC on {grpc_options.port}" if served_grpc else ", gRPC off (no grpc_servicer_functions)"
     return f"specserve ready: model {', '.join(model_ids)}, {where}"
 
 
