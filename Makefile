@@ -36,12 +36,14 @@ bench: setup
 # for this single-machine cluster (Ray 2.60 turns it on for new clusters). Ray runs its workers at
 # nice 15, so any other busy process on the machine (a load generator, a build) would take the CPU
 # from the model; here the model is the machine's job, so workers run at the usual priority.
+# Serve's controller loops every second instead of every 0.1 s: its loop and the GCS calls it makes
+# took the passes' cores for nothing on a one-replica node (docs/benchmarks.md, "Where the gap to vLLM is").
 # A config with one replica is served by the replica itself on its ports (direct ingress, Serve's
 # proxy moved 100 ports up: cluster/serve/direct_ingress.py), from the copy in .ray-serve.yaml.
 METRICS_PORT ?= 8080
 CONFIG ?= configs/serve.yaml
 serve: setup
-	@export RAY_AUTH_MODE=disabled RAY_worker_niceness=0; \
+	@export RAY_AUTH_MODE=disabled RAY_worker_niceness=0 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1; \
 	exports=$$($(PY) -m cluster.serve.direct_ingress $(CONFIG) .ray-serve.yaml) || exit 1; eval "$$exports"; \
 	$(VENV)/bin/ray start --head --metrics-export-port=$(METRICS_PORT) --include-dashboard=false \
 		--disable-usage-stats > .ray-start.log 2>&1 || { cat .ray-start.log; echo "ray start failed (a Ray cluster already running here? ray stop)"; exit 1; }; \
