@@ -17,8 +17,9 @@ them, actors/block_fit.py; this side only offers, sets back and resumes):
   many prompt tokens, in admission order; "auto" sizes the chunk by the cost curve to cost
   `prefill_pass_ratio` times the pass's decoding, so prefill keeps that share of the target at any
   load (a fixed chunk gave prompts a shrinking share as passes grew with the batch and its trees,
-  and their queue grew without bound). While none decodes, waiting prompts fill the pass. Every
-  chunked pass holds at most `max_num_batched_tokens` prompt tokens and decoding requests.
+  and their queue grew without bound). While prompts outnumber the requests that decode (none
+  decodes, or a burst of arrivals), waiting prompts fill the pass. Every chunked pass holds at most
+  `max_num_batched_tokens` prompt tokens and decoding requests.
 - With `pipeline`, the running requests form two micro-batches (a new one joins the smaller),
   verified in turn.
 """
@@ -194,9 +195,11 @@ class Scheduler:
         return [s for s in self.active.values() if s.group == group and s.request_id not in self.prefilling]
 
     def chunk_budget(self) -> int:
-        """Prompt tokens the next pass may carry."""
+        """Prompt tokens the next pass may carry: all the room while prompts outnumber the requests
+        that decode (a burst of arrivals is prefilled in full passes, as vLLM does, rather than
+        one chunk a pass priced against the few already decoding), else the chunk."""
         room = max(1, self.config.max_num_batched_tokens - self.decoding)
-        if not self.decoding:  # nobody to hold up
+        if len(self.prefilling) > self.decoding:
             return room
         chunk = self.config.prefill_chunk_tokens
         if chunk == "auto":

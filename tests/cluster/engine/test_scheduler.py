@@ -114,6 +114,18 @@ def test_an_auto_chunk_costs_its_share_of_the_passs_decoding_at_every_load():
     assert decoding_scheduler(fixed, 16, CURVE).plan().chunks == [("long", 100)]
 
 
+def test_prompts_outnumbering_the_decoding_requests_fill_the_pass():
+    """While as many requests decode as prompts wait, a pass carries the auto chunk; a burst of
+    arrivals that outnumbers them is prefilled in full passes."""
+    config = SchedulerConfig(max_sequences=32, max_len=4096, max_num_batched_tokens=300)
+    scheduler = decoding_scheduler(config, 2, CURVE)
+    assert scheduler.plan().chunks == [("long", MIN_AUTO_CHUNK)]  # one prompt, two decoding: the chunk
+    burst = [state_of(GenerationRequest(name, list(range(1, 101)))) for name in "ab"]
+    scheduler.run(burst)
+    scheduler.admitted(Admission({state.request_id: 0 for state in burst}, []))
+    assert scheduler.plan().chunks == [("long", 300 - 2)]  # three prompts, two decoding: all the room
+
+
 def test_no_pass_carries_more_than_max_num_batched_tokens():
     config = SchedulerConfig(max_sequences=32, max_len=4096, max_num_batched_tokens=300, prefill_pass_ratio=50)
     assert decoding_scheduler(config, 16, CURVE).plan().chunks == [("long", 300 - 16)]
