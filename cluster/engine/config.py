@@ -52,7 +52,8 @@ class SchedulerConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="positions per KV cache block (a power of two)")
     prefill_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         "auto", description="chunked prefill: while as many requests decode as prompts wait, the most prompt tokens "
-        "prefilled in one pass (while prompts outnumber them, as many as max_num_batched_tokens holds), packed into the same pass as their verification trees (the planner counts them); \"auto\": as many as "
+        "prefilled in one pass (while prompts outnumber them, as many as max_num_batched_tokens holds), packed "
+        "into the same pass as their verification trees (the planner counts them); \"auto\": as many as "
         "cost `prefill_pass_ratio` times the pass's decoding by the target's measured cost curve (at least "
         f"{MIN_AUTO_CHUNK}; {MIN_AUTO_CHUNK} where the engine has no curve), so prompts are prefilled as fast as "
         "the load they arrive with while running streams' gaps stay bounded; null: a whole prompt in the pass that "
