@@ -93,8 +93,9 @@ class SpecService(RequestBuilder):
         self.in_flight += 1
         last = time.perf_counter()
         try:
-            async with contextlib.aclosing(loop_stream(loop, request)) as events:  # abort at once when closed
-                async for event in self._within_deadline(events, request):
+            limit = self.limits.request_timeout_s
+            async with contextlib.aclosing(loop_stream(loop, request, limit)) as events:  # abort at once when closed
+                async for event in _ending_at_deadline(events, request, limit):
                     if self.observer:
                         now = time.perf_counter()
                         self.observer.chunk(len(event.new_token_ids), now - last)
@@ -104,25 +105,6 @@ class SpecService(RequestBuilder):
                     yield event
         finally:
             self.in_flight -= 1
-
-    async def _within_deadline(self, events: AsyncIterator[StepEvent],
-                               request: GenerationRequest) -> AsyncIterator[StepEvent]:
-        """The events until the request's deadline; then a retryable error ends it (closing `events`
-        aborts it in the engine), so no client waits without bound."""
-        limit = self.limits.request_timeout_s
-        deadline = time.monotonic() + limit
-        while True:
-            try:
-                event = await asyncio.wait_for(anext(events), max(0.0, deadline - time.monotonic()))
-            except (TimeoutError, asyncio.TimeoutError):
-                reason = f"the request ran past the server's {limit:g} s limit; retry it (perhaps with fewer tokens)"
-                yield StepEvent(request.request_id, [], GenerationOutput.refused(request, reason))
-                return
-            except StopAsyncIteration:
-                return
-            yield event
-            if event.finished:
-                return
 
     async def stream_samples(self, samples: Samples, protocol: str = "http") -> AsyncIterator[tuple[int, StepEvent]]:
         """(index in samples.requests, event) for every request of a call, interleaved as they come.
@@ -168,3 +150,15 @@ class SpecService(RequestBuilder):
     @property
     def queue_depth(self) -> int:
         return sum(loop.engine.queue_depth for loop in self.loops)
+
+
+async def _ending_at_deadline(events: AsyncIterator[StepEvent], request: GenerationRequest,
+                              limit: float) -> AsyncIterator[StepEvent]:
+    """The events; past the request's deadline (the stream raises TimeoutError, having aborted the
+    request), a retryable error ends it, so no client waits without bound."""
+    try:
+        async for event in events:
+            yield event
+    except TimeoutError:
+        reason = f"the request ran past the server's {limit:g} s limit; retry it (perhaps with fewer tokens)"
+        yield StepEvent(request.request_id, [], GenerationOutput.refused(request, reason))
