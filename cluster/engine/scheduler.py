@@ -13,8 +13,8 @@ them, actors/block_fit.py; this side only offers, sets back and resumes):
 - A request refused or preempted goes back to the queues with its tokens so far: to `preempted`
   once it has output, else to the front of `waiting`. The target may preempt any running request,
   with pipelining one of the micro-batch not being verified too (it answers which in `VerifyReply`).
-- Chunked prefill (`prefill_chunk_tokens`): while any request decodes, a pass carries at most that
-  many prompt tokens, in admission order; "auto" sizes the chunk by the cost curve to cost
+- Chunked prefill (`prefill_chunk_tokens`): while as many requests decode as prompts wait, a pass
+  carries at most that many prompt tokens, in admission order; "auto" sizes the chunk by the cost curve to cost
   `prefill_pass_ratio` times the pass's decoding, so prefill keeps that share of the target at any
   load (a fixed chunk gave prompts a shrinking share as passes grew with the batch and its trees,
   and their queue grew without bound). While prompts outnumber the requests that decode (none

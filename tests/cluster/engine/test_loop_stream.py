@@ -6,18 +6,16 @@ import asyncio
 import time
 
 from cluster.engine.build import local_engine
-from cluster.engine.config import SchedulerConfig
 from cluster.engine.loop import EngineLoop, stream
 from cluster.engine.request import GenerationRequest
 from speculators.proposers.prompt_lookup import PromptLookupProposer
+from tests.cluster.engine.test_engine_faults import CONFIG, PROMPTS, plain, requests  # noqa: F401  (fixture)
 from tests.conftest import IdTokenizer
 
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
-CONFIG = SchedulerConfig(max_sequences=4, max_len=256)
 
-
-def requests(prefix: str, new_tokens: int = 16) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{prefix}{i}", prompt, max_new_tokens=new_tokens) for i, prompt in enumerate(PROMPTS)]
+def long_requests(prefix: str) -> list[GenerationRequest]:
+    """Requests that would decode for longer than any of these tests lets them."""
+    return [GenerationRequest(f"{prefix}{i}", prompt, max_new_tokens=200) for i, prompt in enumerate(PROMPTS)]
 
 
 def engine_loop(tiny_model, name: str) -> EngineLoop:
@@ -30,8 +28,7 @@ def wait_idle(loop: EngineLoop) -> None:
         time.sleep(0.02)
 
 
-def test_a_turns_events_reach_asyncio_in_one_hand_over(tiny_model):
-    expected = [o.token_ids for o in local_engine(tiny_model[0], IdTokenizer(), None, CONFIG).generate(requests("p"))]
+def test_a_turns_events_reach_asyncio_in_one_hand_over(tiny_model, plain):
     loop = engine_loop(tiny_model, "handoff-test")
     steps, real_step = [0], loop.engine.step
 
@@ -58,9 +55,9 @@ def test_a_turns_events_reach_asyncio_in_one_hand_over(tiny_model):
         return await asyncio.gather(*(one(r) for r in requests("s")))
 
     try:
-        assert asyncio.run(run()) == expected
+        assert asyncio.run(run()) == plain
         assert 0 < wakes[0] <= steps[0] + len(PROMPTS)  # one a turn (a turn without a step: admissions)
-        assert steps[0] < sum(len(tokens) for tokens in expected)  # fewer turns than events
+        assert steps[0] < sum(len(tokens) for tokens in plain)  # fewer turns than events
     finally:
         loop.stop()
 
@@ -78,7 +75,7 @@ def test_a_stream_past_its_timeout_raises_and_aborts_the_request(tiny_model):
     async def run() -> int:
         events = 0
         try:
-            async for _ in stream(loop, requests("t", new_tokens=200)[0], timeout_s=0.2):
+            async for _ in stream(loop, long_requests("t")[0], timeout_s=0.2):
                 events += 1
         except TimeoutError:
             return events
@@ -95,7 +92,7 @@ def test_a_stream_past_its_timeout_raises_and_aborts_the_request(tiny_model):
 def test_requests_whose_asyncio_loop_closed_are_aborted(tiny_model):
     loop = engine_loop(tiny_model, "closed-loop-test")
     running = asyncio.new_event_loop()
-    streams = [stream(loop, request) for request in requests("c", new_tokens=200)]
+    streams = [stream(loop, request) for request in long_requests("c")]
     for events in streams:  # each request in the engine, its listener left suspended
         running.run_until_complete(anext(events))
     running.close()  # without finishing the streams: no abort reaches the engine from them
