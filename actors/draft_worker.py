@@ -171,6 +171,9 @@ class DraftWorker:
     def runs_a_model(self) -> bool:
         return self.proposer.runs_a_model
 
+    def reads_verified(self) -> bool:
+        return self.proposer.reads_verified
+
     def hidden_spec(self) -> tuple[tuple[int, ...], str]:
         """The target hidden states the proposer reads, and their dtype's name (for the target)."""
         return tuple(self.proposer.hidden_layers), str(self.proposer.hidden_dtype).removeprefix("torch.")

@@ -59,6 +59,8 @@ class VerifyItem:
     keep_rows: bool = False
     """A request whose prompt ends in this pass and that drafts next step: a co-located head keeps
     its hidden rows for that call, though it drafted nothing this step."""
+    predictions: bool = False
+    """Return the target's choice after every node (VerifyResult.predictions): the drafter reads them."""
 
 
 @dataclass

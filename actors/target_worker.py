@@ -14,7 +14,7 @@ What the calls take and give back is typed in messages.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -238,17 +238,20 @@ class TargetWorker:
         return "argmax" if self._sampling[seq_id][0].greedy and shaping is None else "all"
 
     def _verify_one(self, seq_id: str, tree: DraftTree, scores: torch.Tensor,
-                    shaping: Shaping | None, root: int) -> VerifyResult | RequestFailed:
-        """One request's decision (`root`: its root's position); what it raises fails that request
-        alone, not its neighbours."""
+                    shaping: Shaping | None, root: int, predictions: bool = False) -> VerifyResult | RequestFailed:
+        """One request's decision (`root`: its root's position; `predictions`: with the target's
+        choice after every node); what it raises fails that request alone, not its neighbours."""
         try:
             if self._wanted(seq_id, shaping) == "argmax":
-                return verify_greedy(tree, scores.tolist())
+                best = scores.tolist()
+                return replace(verify_greedy(tree, best), predictions=best if predictions else None)
             sampling, generator = self._sampling[seq_id]
             shaped = scores if shaping is None else shaping.apply(tree, scores)
             result = verify(tree, shaped, sampling, generator, position=root + 1)
             if shaping is not None and shaping.logprobs is not None:
                 result.logprobs = committed_logprobs(scores, result.accepted_nodes, result.new_tokens, shaping.logprobs)
+            if predictions:
+                result.predictions = scores.argmax(-1).tolist()
             return result
         except Exception as error:
             return RequestFailed(f"verification failed: {type(error).__name__}: {error}")
@@ -268,7 +271,8 @@ class TargetWorker:
         if comm.rank == 0:
             try:
                 outcome = [self._verify_one(item.request_id, item.tree, logits, item.shaping,
-                                            self.runner.committed_length(item.request_id) + leading.get(item.request_id, 0))
+                                            self.runner.committed_length(item.request_id) + leading.get(item.request_id, 0),
+                                            item.predictions)
                            for item, logits in zip(batch, all_logits)]
             except Exception as error:
                 comm.broadcast_object(f"rank 0 failed to verify: {type(error).__name__}: {error}")

@@ -63,13 +63,16 @@ class DraftTree:
     verifier keeps a token exactly when it is the target's own sample, speculators.keyed): the
     rejection rule then treats each child as a point-mass proposal, which keeps sampling lossless.
     `confidence[i]` is the drafter's own probability of node i (for stats and lookahead), or None
-    when the drafter has none.
+    when the drafter has none. `extra_value[i]`: output tokens node i is expected to bring beyond its
+    own acceptance (a Lookahead decoding window node's share of what its n-grams yield later), which
+    the planner adds to its worth; None: none.
     """
 
     token_ids: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None  # [N, vocab] (the root's row unused)
     confidence: list[float] | None = None
+    extra_value: list[float] | None = None
     _children: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -82,6 +85,8 @@ class DraftTree:
                 raise ValueError(f"node {index} has parent {parent}; parents must precede children")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError("draft_probs needs one row per node")
+        if self.extra_value is not None and len(self.extra_value) != len(self.token_ids):
+            raise ValueError("extra_value needs one value per node")
 
     @classmethod
     def root_only(cls, root: int) -> "DraftTree":

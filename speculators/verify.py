@@ -37,6 +37,9 @@ class VerifyResult:
     when its drafter reads them (set by the target worker after the decision, on rank 0 only)."""
     logprobs: list[TokenLogprob] | None = None
     """Each new token's log-probability and top alternatives, when the request asked for them."""
+    predictions: list[int] | None = None
+    """The target's choice (argmax) after every node of the tree, for drafters that learn from the
+    whole pass (set by the target worker when the item asks)."""
 
     @property
     def new_tokens(self) -> list[int]:

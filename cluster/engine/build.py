@@ -26,6 +26,7 @@ from speculators.lookahead import LookaheadConfig
 from speculators.proposers.base import Proposer
 from speculators.proposers.draft_model import DraftModelProposer
 from speculators.proposers.hybrid import HybridProposer
+from speculators.proposers.lookahead_decoding import LookaheadProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.proposers.rest import RestProposer
 from speculators.proposers.suffix import SuffixProposer
@@ -45,6 +46,9 @@ def build_proposer(config: EngineConfig, target: LlamaDecoder | None = None) -> 
         return suffix_proposer(config)
     if config.method == "rest":
         return rest_proposer(config)
+    if config.method == "lookahead":
+        return LookaheadProposer(config.lookahead_decoding_window_size, config.lookahead_decoding_ngram_size,
+                                 config.lookahead_decoding_verification_set_size)
     dtype = getattr(torch, config.dtype)
     if config.method in HEAD_METHODS:
         source = resolve_head(config.method, config.draft, config.model)

@@ -18,10 +18,11 @@ from actors.model.precision import resolve_dtype
 from actors.target_worker import CacheOptions
 from speculators.datastore import read_manifest
 from speculators.lookahead import LookaheadConfig
+from speculators.proposers import lookahead_decoding as lade
 from speculators.proposers import prompt_lookup as pld
 from speculators.proposers import rest, suffix
 
-Method = Literal["none", "pld", "suffix", "rest", "draft", "eagle3", "medusa"]
+Method = Literal["none", "pld", "suffix", "rest", "lookahead", "draft", "eagle3", "medusa"]
 HEAD_METHODS = ("eagle3", "medusa")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
@@ -143,7 +144,8 @@ class EngineConfig(SchedulerConfig):
     model: str = Field(DEFAULT_MODEL, description="target: a known name, a .gguf file or a Hugging Face directory")
     method: Method = Field(
         "suffix", description="drafter: none (plain decoding), pld (prompt lookup), suffix (suffix decoding over "
-        "the request's own text and earlier outputs), rest (retrieval from the corpus of rest_datastore), draft (a "
+        "the request's own text and earlier outputs), rest (retrieval from the corpus of rest_datastore), lookahead "
+        "(Lookahead decoding: n-grams from Jacobi iterations in the verification pass), draft (a "
         "draft model), or a trained head reading the "
         "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint) or medusa")
     draft: str = Field(
@@ -197,6 +199,14 @@ class EngineConfig(SchedulerConfig):
     rest_max_occurrences: int = Field(
         rest.MAX_OCCURRENCES, ge=1, le=65536, description="REST: most occurrences of the matched suffix whose "
         "continuations are counted into the draft tree (evenly spaced over all of them)")
+    lookahead_decoding_window_size: int = Field(
+        lade.WINDOW, ge=1, le=32, description="Lookahead decoding: Jacobi window columns (W), each guessing one more "
+        "token ahead")
+    lookahead_decoding_ngram_size: int = Field(
+        lade.NGRAM, ge=2, le=16, description="Lookahead decoding: n-gram size (N); a column keeps N - 1 tokens of its trajectory")
+    lookahead_decoding_verification_set_size: int = Field(
+        lade.CANDIDATES, ge=0, le=64, description="Lookahead decoding: most pool n-grams starting with the last token "
+        "verified a step (G)")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="weights and KV cache dtype; auto: bfloat16 on a GPU, and on a CPU with native "
         "bfloat16 (AVX512-BF16 or AMX) where its products are exact per row (actors/model/precision.py), else "

@@ -2,7 +2,8 @@
 expected committed tokens per second (SmartSpec, Liu et al. 2024), down to none.
 
 Verification cost grows with the tokens in a pass (the target's measured `CostCurve`), and a
-drafted token is worth its probability of being accepted. That probability is learned online:
+drafted token is worth its probability of being accepted (plus, for a Lookahead decoding window
+node, `DraftTree.extra_value`: what its n-grams bring later). That probability is learned online:
 `Acceptance` maps a drafter's own confidence in a node (draft probability, match counts) to the
 rate at which the target accepted nodes of that confidence, and `RequestAcceptance` scales it by
 how one request has fared against those predictions. Nodes are taken best first (a child is never
@@ -140,9 +141,10 @@ def subtree(tree: DraftTree, keep: Sequence[int]) -> DraftTree:
     nodes = sorted(set(keep) | {0})
     index = {node: i for i, node in enumerate(nodes)}
     confidence = None if tree.confidence is None else [tree.confidence[n] for n in nodes]
+    extra = None if tree.extra_value is None else [tree.extra_value[n] for n in nodes]
     probs = None if tree.draft_probs is None else tree.draft_probs[nodes]
     return DraftTree(token_ids=[tree.token_ids[n] for n in nodes], parents=[-1] + [index[tree.parents[n]] for n in nodes[1:]],
-                     draft_probs=probs, confidence=confidence)
+                     draft_probs=probs, confidence=confidence, extra_value=extra)
 
 
 @dataclass
@@ -173,12 +175,13 @@ class Planner:
         candidates = []  # (path probability, depth, draft index, node)
         for index, draft in enumerate(drafts):
             draft.probs = path_probabilities(draft.tree, self.acceptance, draft.factor)
+            extra = draft.tree.extra_value or [0.0] * draft.tree.size
             if draft.trimmable:
                 depths = draft.tree.depths
-                candidates += [(-p, depths[n], index, n) for n, p in enumerate(draft.probs) if n]
+                candidates += [(-p - extra[n], depths[n], index, n) for n, p in enumerate(draft.probs) if n]
             else:
                 fixed_tokens += draft.tree.num_drafted
-                value += sum(draft.probs[1:])
+                value += sum(draft.probs[1:]) + sum(extra[1:])
         candidates.sort()
         best, best_count = value / self.cost.seconds(fixed_tokens, sequences), 0
         for count, (negative, _, _, _) in enumerate(candidates, start=1):

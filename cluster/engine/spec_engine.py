@@ -105,6 +105,7 @@ class SpecEngine:
         self._hidden = PendingHidden()
         """The target's hidden states of committed tokens, until the request's next draft call."""
         self._drafts_prompts = not self.drafters or not self.drafters[0].submit("hidden_spec").result()[0]
+        self._reads_verified = bool(self.drafters) and self.drafters[0].submit("reads_verified").result()
         self._stalled = StalledWorkers()
         self.recovery = TargetRecovery(rebuild_target, config.rebuild_retry_s)
 
@@ -302,7 +303,8 @@ class SpecEngine:
         trim = self.speculation.trim
         trees = trim(plan.decoding, pruned[:decoding], chunks) + trim(starting, pruned[decoding:], [])
         began = time.perf_counter()
-        items = [_verify_item(s, t, i >= decoding and speculates(s)) for i, (s, t) in enumerate(zip(states, trees))]
+        items = [_verify_item(s, t, i >= decoding and speculates(s), self._reads_verified and t.num_drafted > 0)
+                 for i, (s, t) in enumerate(zip(states, trees))]
         verify = self.target.submit("verify", items, chunks)
         if self.config.pipeline:
             other = (group + 1) % self.scheduler.groups
@@ -380,8 +382,7 @@ class SpecEngine:
         refused = [StepEvent(r.request_id, [], GenerationOutput.refused(r, reason)) for r in waiting]
         for state in preempted:
             state.fail(reason)
-            refused.append(StepEvent(request_id=state.request_id, new_token_ids=[], finished=state.final_output(),
-                                     text=state.text.finish()))
+            refused.append(StepEvent(state.request_id, [], state.final_output(), state.text.finish()))
         return refused
 
     @property
@@ -438,13 +439,12 @@ class SpecEngine:
 
 def _admit_item(request: GenerationRequest, tokens: list[int]) -> AdmitItem:
     """What the target admits for one request: its tokens so far (a prompt, or a resumed request's)."""
-    return AdmitItem(request_id=request.request_id, tokens=tokens, sampling=request.sampling,
-                     cache_scope=request.cache_scope)
+    return AdmitItem(request.request_id, tokens, request.sampling, request.cache_scope)
 
 
-def _verify_item(state: ActiveRequest, tree: DraftTree, keep_rows: bool) -> VerifyItem:
+def _verify_item(state: ActiveRequest, tree: DraftTree, keep_rows: bool, predictions: bool) -> VerifyItem:
     """What the target verifies for one request: its tree, and the step's Shaping when it has rules."""
     return VerifyItem(state.request_id, tree, None if state.rules is None else state.rules.shaping(tree, state.tokens),
-                      keep_rows)
+                      keep_rows, predictions)
 
 

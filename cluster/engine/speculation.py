@@ -24,7 +24,7 @@ from cluster.engine.planner import Planned, Planner, RequestAcceptance, path_pro
 from cluster.engine.request import GenerationRequest
 from cluster.engine.sequence import ActiveRequest
 from speculators.lookahead import LookaheadPolicy, make_policy
-from speculators.proposers.base import DraftRequest
+from speculators.proposers.base import DraftRequest, VerifiedTree
 from speculators.tree import DraftTree
 from speculators.verify import VerifyResult
 
@@ -81,6 +81,9 @@ class RequestSpeculation:
     policy: LookaheadPolicy
     gate: SpeculationGate
     acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
+    verified: VerifiedTree | None = None
+    """Its last verified tree with the target's choice at every node, when the drafter reads them,
+    until its next draft request carries it."""
 
 
 class SpeculationController:
@@ -132,7 +135,8 @@ class SpeculationController:
                                            num_speculative_tokens=depth, max_nodes=nodes,
                                            confidence_threshold=policy.confidence_threshold, sampling=request.sampling,
                                            penalties=request.penalties, prompt_length=len(request.prompt_ids),
-                                           cache_scope=request.cache_scope))
+                                           cache_scope=request.cache_scope, verified=state.speculation.verified))
+            state.speculation.verified = None
         return drafts
 
     def observe_drafter(self, rows: int, trees: Iterable[DraftTree], seconds: float) -> None:
@@ -157,13 +161,25 @@ class SpeculationController:
     def observe(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult) -> None:
         """One verification of the request's tree, for its lookahead, its gate and the acceptance learned."""
         speculation = state.speculation
-        accepted = len(result.accepted_tokens)
-        speculation.policy.observe(tree.max_depth, accepted)
-        speculation.gate.observe(tree.max_depth, accepted)
+        accepted, depth = len(result.accepted_tokens), _judged_depth(tree)
+        speculation.policy.observe(depth, accepted)
+        speculation.gate.observe(depth, accepted)
+        if result.predictions is not None:
+            speculation.verified = VerifiedTree(list(tree.token_ids), list(tree.parents), result.predictions)
         if self.planner is not None and tree.num_drafted:
             acceptance = self.planner.acceptance
             speculation.acceptance.observe(sum(path_probabilities(tree, acceptance)[1:]), accepted)
             acceptance.observe(tree, result.accepted_nodes)
+
+
+def _judged_depth(tree: DraftTree) -> int:
+    """The drafted depth a request's lookahead and gate judge by what the target accepted: that of
+    the nodes drafted for their own acceptance. Nodes worth mostly later tokens (a Lookahead decoding
+    window's, `DraftTree.extra_value`) are left to the planner, which weighs that worth against their
+    cost: a gate shut by their rejections would stop the Jacobi iterations that fill the pool."""
+    if tree.extra_value is None:
+        return tree.max_depth
+    return max((depth for depth, extra in zip(tree.depths, tree.extra_value) if not extra), default=0)
 
 
 def speculates(state: ActiveRequest) -> bool:

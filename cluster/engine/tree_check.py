@@ -22,7 +22,8 @@ def tree_problem(tree: object, tokens: Sequence[int], vocab_size: int | None, ma
     if not isinstance(tree, DraftTree):
         return f"a {type(tree).__name__}, not a DraftTree"
     try:  # a tree that crossed a process boundary was unpickled without its constructor's checks
-        DraftTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs, confidence=tree.confidence)
+        DraftTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs, confidence=tree.confidence,
+                  extra_value=tree.extra_value)
     except Exception as error:
         return f"malformed ({error})"
     if tree.token_ids[0] != tokens[-1]:
@@ -34,6 +35,8 @@ def tree_problem(tree: object, tokens: Sequence[int], vocab_size: int | None, ma
     bad = [t for t in tree.token_ids if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
     if bad:
         return f"token ids {bad[:3]} are outside the vocabulary"
+    if tree.extra_value is not None and not all(0 <= value <= len(tokens) for value in tree.extra_value):
+        return "extra_value must be a non-negative number of tokens"
     if tree.draft_probs is not None:
         return _probability_problem(tree, vocab_size)
     return None

@@ -20,6 +20,17 @@ from speculators.tree import DraftTree
 
 
 @dataclass
+class VerifiedTree:
+    """A request's last verified tree and the target's choice after each of its nodes (its argmax),
+    for drafters that learn from every node of a pass, not only the accepted path (Lookahead
+    decoding's window)."""
+
+    token_ids: list[int]
+    parents: list[int]
+    predictions: list[int]
+
+
+@dataclass
 class DraftRequest:
     request_id: str
     token_ids: Sequence[int]
@@ -43,6 +54,9 @@ class DraftRequest:
     does at the same node, so its drafts are likely under the penalised target."""
     prompt_length: int = 0
     """Where the output begins in the request's sequence (penalties count output tokens)."""
+    verified: VerifiedTree | None = None
+    """The request's tree verified since the last call, for proposers that read it
+    (`Proposer.reads_verified`); None when there was none or it was lost (a failed call)."""
     cache_scope: str | None = ""
     """Whose earlier outputs this request may draft from: those learned under the same scope (a
     tenant's, or "" for everyone's); None: none, only the request's own text."""
@@ -60,6 +74,8 @@ class Proposer(ABC):
     hidden_layers: tuple[int, ...] = ()
     #: the dtype it wants them in
     hidden_dtype: torch.dtype = torch.float32
+    #: whether it reads `DraftRequest.verified` (the target then returns its choice at every node)
+    reads_verified: bool = False
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:

@@ -13,8 +13,8 @@ from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fi
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture, slow test only)
 
 FAST_CASES = ["pld-tree", "draft-tree", "eagle3-tree", "mixed-batch-draft-tree", "draft-tree-pipelined",
-              "suffix-tree-planned", "rest-tree", "draft-tree-penalties", "draft-tree-grammar",
-              "pld-tree-grammar-penalties", "keyed-draft-tree", "keyed-rest-tree", "keyed-eagle3-tree",
+              "suffix-tree-planned", "rest-tree", "lookahead-tree", "draft-tree-penalties", "draft-tree-grammar",
+              "pld-tree-grammar-penalties", "keyed-draft-tree", "keyed-rest-tree", "keyed-lookahead-tree", "keyed-eagle3-tree",
               "keyed-mixed-batch-draft-tree", "keyed-pld-tree-grammar-penalties"]
 FAST_SAMPLES = 2_000
 

@@ -16,6 +16,7 @@ from cluster.engine.cost import CostCurve, CostPoint
 from cluster.engine.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.draft_model import DraftModelProposer
+from speculators.proposers.lookahead_decoding import LookaheadProposer
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
@@ -32,6 +33,8 @@ def make_proposer(kind: str, model, slots: int):
         return SuffixProposer(max_spec_factor=4.0)
     if kind == "pld-tree":
         return PromptLookupProposer(num_tokens=6, max_branches=3)
+    if kind == "lookahead":
+        return LookaheadProposer(window=4, ngram=3, candidates=3)
     width = 3 if kind == "draft-tree" else 1
     return DraftModelProposer(ModelRunner(layer_skip_draft(model, 2), slots, 256), width=width)
 
@@ -78,7 +81,7 @@ LOOKAHEADS = [
 
 
 @pytest.mark.parametrize("kind,lookahead",
-                         list(itertools.product(["pld", "pld-tree", "suffix", "draft", "draft-tree"], LOOKAHEADS)),
+                         list(itertools.product(["pld", "pld-tree", "suffix", "lookahead", "draft", "draft-tree"], LOOKAHEADS)),
                          ids=lambda v: v if isinstance(v, str)
                          else f"{v.policy}-{v.num_speculative_tokens}-{v.confidence_threshold}")
 @PIPELINE
@@ -94,7 +97,7 @@ STEEP = CostCurve([CostPoint(t, 1, 1.0 + 0.08 * t) for t in (1, 2, 4, 8, 16, 32,
 """A pass costs 8% more per token: the planner keeps only likely nodes."""
 
 
-@pytest.mark.parametrize("kind", ["pld", "pld-tree", "suffix", "draft", "draft-tree"])
+@pytest.mark.parametrize("kind", ["pld", "pld-tree", "suffix", "lookahead", "draft", "draft-tree"])
 @PIPELINE
 def test_planned_drafts_keep_greedy_output_identical(tiny_model, plain_outputs, kind, pipeline):
     """The planner cuts trees to what pays (the engine's default): output unchanged, fewer tokens verified."""
