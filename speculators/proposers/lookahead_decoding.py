@@ -33,8 +33,11 @@ from speculators.proposers.continuations import best_first_tree, counted_continu
 from speculators.proposers.suffix import MIN_TOKEN_PROB
 from speculators.tree import DraftTree
 
-WINDOW, NGRAM, CANDIDATES = 4, 4, 4
-"""Defaults: window columns (W), n-gram size (N) and n-grams verified a step (G)."""
+WINDOW, NGRAM, CANDIDATES = 4, 3, 4
+"""Defaults: window columns (W), n-gram size (N) and n-grams verified a step (G), the best of four
+settings on Spec-Bench in process (4/3/4 1.08x plain decoding; 8/3/8 1.01x, 12/3/8 0.99x, 4/4/4
+1.02x: with N = 4 a column fills too slowly for its n-grams to pay before the planner drops the
+window; docs/heads.md)."""
 POOL_PER_KEY = 16
 """N-grams kept per first token (the least recently generated dropped first)."""
 WINDOW_CONFIDENCE = 0.1
@@ -45,6 +48,10 @@ PRIOR_NODES, PRIOR_YIELD = 64.0, 0.05
 for the window to run where a pass's tokens are cheap, so that its yield gets measured."""
 DECAY = 0.995
 """Weight of the past in the yield estimate, per step (a few hundred steps of memory)."""
+RETRY_AFTER = 64
+"""Steps with no window node verified (the planner found the window not worth its tokens) after
+which the yield estimate starts again from the prior: what a window yields grows as its pool fills,
+and a load that made it too dear may have passed."""
 
 
 @dataclass
@@ -69,6 +76,7 @@ class LookaheadProposer(Proposer):
         self.window, self.ngram, self.candidates = window, ngram, candidates
         self._windows: dict[str, _Window] = {}
         self._pool_accepted, self._window_nodes = PRIOR_YIELD * PRIOR_NODES, PRIOR_NODES
+        self._steps_without_window = 0
 
     @property
     def pool_yield(self) -> float:
@@ -144,8 +152,7 @@ class LookaheadProposer(Proposer):
             accepted = tokens[state.length:-1]  # drafted tokens the target kept (the last is its own)
             from_pool = sum(1 for end in range(1, len(accepted) + 1) if tuple(accepted[:end]) in state.pool_paths)
             window_nodes = sum(1 for path in self._window_paths(state) if path in predicted)
-            self._pool_accepted = DECAY * self._pool_accepted + from_pool
-            self._window_nodes = DECAY * self._window_nodes + window_nodes
+            self._learn_yield(from_pool, window_nodes)
             chain = ()
             for column in state.columns:
                 chain += (column[0],)
@@ -160,6 +167,14 @@ class LookaheadProposer(Proposer):
         shift = min(committed - 1, self.window)
         state.columns = state.columns[shift:] + [[_filler(tokens, i)] for i in range(shift)]
         state.length = len(tokens)
+
+    def _learn_yield(self, from_pool: int, window_nodes: int) -> None:
+        self._pool_accepted = DECAY * self._pool_accepted + from_pool
+        self._window_nodes = DECAY * self._window_nodes + window_nodes
+        self._steps_without_window = 0 if window_nodes else self._steps_without_window + 1
+        if self._steps_without_window >= RETRY_AFTER:
+            self._pool_accepted, self._window_nodes = PRIOR_YIELD * PRIOR_NODES, PRIOR_NODES
+            self._steps_without_window = 0
 
     @staticmethod
     def _pool(state: _Window, ngram: tuple[int, ...]) -> None:

@@ -11,7 +11,13 @@ from cluster.engine.planner import Planned, Planner
 from cluster.engine.request import GenerationRequest
 from cluster.engine.speculation import SpeculationController
 from speculators.proposers.base import DraftRequest, VerifiedTree
-from speculators.proposers.lookahead_decoding import PRIOR_YIELD, WINDOW_CONFIDENCE, LookaheadProposer, path_to
+from speculators.proposers.lookahead_decoding import (
+    PRIOR_YIELD,
+    RETRY_AFTER,
+    WINDOW_CONFIDENCE,
+    LookaheadProposer,
+    path_to,
+)
 from speculators.tree import DraftTree
 from speculators.verify import verify_greedy
 from tests.cluster.engine.test_planner import calibrated, curve
@@ -118,3 +124,14 @@ def test_rejected_window_nodes_never_close_a_requests_gate():
     for _ in range(20):
         controller.observe(state, plain_chain, verify_greedy(plain_chain, [9, 9, 9, 9]))
     assert not state.speculation.gate.is_open
+
+
+def test_a_window_the_planner_keeps_dropping_is_tried_again_from_the_prior():
+    proposer = LookaheadProposer(window=2, ngram=3, candidates=1)
+    proposer._learn_yield(0, 500)  # a long run of window nodes that brought nothing
+    assert proposer.pool_yield < PRIOR_YIELD / 5
+    for _ in range(RETRY_AFTER - 1):
+        proposer._learn_yield(0, 0)  # the planner verified none of them
+    assert proposer.pool_yield < PRIOR_YIELD / 5
+    proposer._learn_yield(0, 0)
+    assert proposer.pool_yield == pytest.approx(PRIOR_YIELD)
