@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random Llama-family models built in the test, and the default model."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,6 +42,14 @@ class IdTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(f"t{i}" for i in ids)
+
+
+def wait_until_loop_idle(loop, seconds: float = 10.0) -> None:
+    """Until an EngineLoop holds no request and its engine has no work (an aborted request has left),
+    or `seconds` pass; the caller asserts which."""
+    deadline = time.monotonic() + seconds
+    while (loop.load or loop.engine.has_work) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="session", autouse=True)

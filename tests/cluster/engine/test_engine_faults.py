@@ -21,7 +21,7 @@ from cluster.engine.stats import RequestStats
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from speculators.sampling import SamplingParams
 from speculators.tree import DraftTree
-from tests.conftest import IdTokenizer
+from tests.conftest import IdTokenizer, wait_until_loop_idle
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [3] * 12, list(range(10, 40))]
 NEW_TOKENS = 16
@@ -202,11 +202,7 @@ def test_a_listener_that_raises_does_not_stop_the_loop(tiny_model, plain):
         futures = [answer(loop, r) for r in batch[1:]]
         assert [f.result(60).token_ids for f in futures] == plain[1:]
         assert loop.alive
-        deadline = threading.Event()
-        for _ in range(100):
-            if loop.load == 0 and not loop.engine.has_work:
-                break
-            deadline.wait(0.05)
+        wait_until_loop_idle(loop)
         assert loop.load == 0 and not loop.engine.has_work  # the abandoned request was aborted
     finally:
         loop.stop()

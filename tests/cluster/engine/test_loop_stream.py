@@ -10,7 +10,7 @@ from cluster.engine.loop import EngineLoop, stream
 from cluster.engine.request import GenerationRequest
 from speculators.proposers.prompt_lookup import PromptLookupProposer
 from tests.cluster.engine.test_engine_faults import CONFIG, PROMPTS, plain, requests  # noqa: F401  (fixture)
-from tests.conftest import IdTokenizer
+from tests.conftest import IdTokenizer, wait_until_loop_idle
 
 
 def long_requests(prefix: str) -> list[GenerationRequest]:
@@ -20,12 +20,6 @@ def long_requests(prefix: str) -> list[GenerationRequest]:
 
 def engine_loop(tiny_model, name: str) -> EngineLoop:
     return EngineLoop(local_engine(tiny_model[0], IdTokenizer(), PromptLookupProposer(), CONFIG), name)
-
-
-def wait_idle(loop: EngineLoop) -> None:
-    deadline = time.monotonic() + 10
-    while (loop.load or loop.engine.has_work) and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def test_a_turns_events_reach_asyncio_in_one_hand_over(tiny_model, plain):
@@ -83,7 +77,7 @@ def test_a_stream_past_its_timeout_raises_and_aborts_the_request(tiny_model):
 
     try:
         assert asyncio.run(run()) < 200
-        wait_idle(loop)
+        wait_until_loop_idle(loop)
         assert loop.load == 0 and not loop.engine.has_work
     finally:
         loop.stop()
@@ -97,7 +91,7 @@ def test_requests_whose_asyncio_loop_closed_are_aborted(tiny_model):
         running.run_until_complete(anext(events))
     running.close()  # without finishing the streams: no abort reaches the engine from them
     try:
-        wait_idle(loop)
+        wait_until_loop_idle(loop)
         assert loop.load == 0 and not loop.engine.has_work and loop.alive
     finally:
         loop.stop()

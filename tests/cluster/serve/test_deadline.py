@@ -10,6 +10,7 @@ from cluster.engine.loop import EngineLoop
 from cluster.engine.request import GenerationRequest
 from cluster.serve.service import SpecService
 from speculators.lookahead import LookaheadConfig
+from tests.conftest import wait_until_loop_idle
 
 pytestmark = pytest.mark.default_model
 
@@ -36,9 +37,7 @@ def test_a_request_past_its_deadline_is_aborted_with_a_retryable_error(default_m
         output = streamed[-1].finished
         assert output.finish_reason == "error" and "past the server's 0.3 s limit" in output.error
         assert len([e for e in streamed if e.new_token_ids]) < 8  # cut short, not decoded to the end
-        deadline = time.monotonic() + 10
-        while (loop.load or engine.has_work) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until_loop_idle(loop)
         assert loop.load == 0 and not engine.has_work and service.in_flight == 0
     finally:
         loop.stop()
