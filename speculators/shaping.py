@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from speculators.penalties import PenaltyContext, penalize
-from speculators.tree import DraftTree
+from speculators.tree import DraftTree, token_paths
 
 BITS = 32
 
@@ -41,10 +41,7 @@ class Shaping:
 
 def path_tokens(tree: DraftTree) -> list[list[int]]:
     """The drafted tokens from the root (excluded) down to each node (included)."""
-    paths: list[list[int]] = [[]]
-    for node in range(1, tree.size):
-        paths.append(paths[tree.parents[node]] + [tree.token_ids[node]])
-    return paths
+    return [list(path) for path in token_paths(tree.token_ids, tree.parents)]
 
 
 def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:

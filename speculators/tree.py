@@ -50,6 +50,14 @@ def node_depths(parents: Sequence[int]) -> list[int]:
     return ancestry(parents)[1]
 
 
+def token_paths(token_ids: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """The tokens from the root (excluded) down to each node (included), parents before children."""
+    paths: list[tuple[int, ...]] = [()]
+    for node in range(1, len(token_ids)):
+        paths.append(paths[parents[node]] + (token_ids[node],))
+    return paths
+
+
 def chain_parents(length: int, first_parent: int = -1) -> list[int]:
     return [first_parent] + list(range(first_parent + 1, first_parent + length)) if length else []
 

@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from speculators.tree import DraftTree
+from speculators.tree import DraftTree, token_paths
 
 State = Any
 """Where a continuation stands in the proposer's own structure (a trie node, a prefix)."""
@@ -84,10 +84,8 @@ def merge_trees(trees: Sequence[DraftTree], max_nodes: int) -> DraftTree:
     probability; the planner then keeps what pays."""
     confidences: dict[tuple[int, ...], float] = {}
     for tree in trees:
-        paths = {0: ()}
-        for node in range(1, tree.size):
-            paths[node] = paths[tree.parents[node]] + (tree.token_ids[node],)
-            confidences[paths[node]] = max(confidences.get(paths[node], 0.0), tree.confidence[node])
+        for node, path in enumerate(token_paths(tree.token_ids, tree.parents)[1:], start=1):
+            confidences[path] = max(confidences.get(path, 0.0), tree.confidence[node])
     probability = {(): 1.0}
     for path in sorted(confidences, key=len):
         probability[path] = probability[path[:-1]] * confidences[path]

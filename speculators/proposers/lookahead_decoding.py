@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from speculators.proposers.base import DraftRequest, Proposer, VerifiedTree
 from speculators.proposers.continuations import best_first_tree, counted_continuations
 from speculators.proposers.suffix import MIN_TOKEN_PROB
-from speculators.tree import DraftTree
+from speculators.tree import DraftTree, token_paths
 
 WINDOW, NGRAM, CANDIDATES = 4, 3, 4
 """Defaults: window columns (W), n-gram size (N) and n-grams verified a step (G), the best of four
@@ -110,9 +110,7 @@ class LookaheadProposer(Proposer):
         tree = best_first_tree(root, (), len(follows), lambda prefix: children.get(prefix, []), 1, max_nodes,
                                depth_cap, MIN_TOKEN_PROB, request.confidence_threshold)
         tokens, parents, confidence = list(tree.token_ids), list(tree.parents), list(tree.confidence)
-        node_of = {(): 0}
-        for node in range(1, tree.size):
-            node_of[path_to(tokens, parents, node)] = node
+        node_of = {path: node for node, path in enumerate(token_paths(tokens, parents))}
         state.pool_paths = set(node_of) - {()}
         extra = [0.0] * len(tokens)
         for path in self._window_paths(state):
@@ -147,8 +145,7 @@ class LookaheadProposer(Proposer):
         pool, the yield estimate updated, and the window shifted to the new root."""
         committed = len(tokens) - state.length
         if verified is not None:
-            predicted = {path_to(verified.token_ids, verified.parents, node): prediction
-                         for node, prediction in enumerate(verified.predictions)}
+            predicted = dict(zip(token_paths(verified.token_ids, verified.parents), verified.predictions))
             accepted = tokens[state.length:-1]  # drafted tokens the target kept (the last is its own)
             from_pool = sum(1 for end in range(1, len(accepted) + 1) if tuple(accepted[:end]) in state.pool_paths)
             window_nodes = sum(1 for path in self._window_paths(state) if path in predicted)
@@ -182,15 +179,6 @@ class LookaheadProposer(Proposer):
         entries[ngram[1:]] = entries.pop(ngram[1:], 0) + 1  # most recently generated last
         if len(entries) > POOL_PER_KEY:
             del entries[next(iter(entries))]
-
-
-def path_to(token_ids: Sequence[int], parents: Sequence[int], node: int) -> tuple[int, ...]:
-    """The tokens from the root (excluded) down to `node`."""
-    path = []
-    while node > 0:
-        path.append(token_ids[node])
-        node = parents[node]
-    return tuple(reversed(path))
 
 
 def _filler(tokens: Sequence[int], index: int) -> int:

@@ -16,9 +16,8 @@ from speculators.proposers.lookahead_decoding import (
     RETRY_AFTER,
     WINDOW_CONFIDENCE,
     LookaheadProposer,
-    path_to,
 )
-from speculators.tree import DraftTree
+from speculators.tree import DraftTree, token_paths
 from speculators.verify import verify_greedy
 from tests.cluster.engine.test_planner import calibrated, curve
 
@@ -37,7 +36,7 @@ def request(tokens, verified=None, depth=20, nodes=64, request_id="r") -> DraftR
 def step(proposer: LookaheadProposer, tokens: list[int], verified: VerifiedTree | None, target=counting):
     """One engine step with a greedy target: the tree, the target's choice at each node, what it keeps."""
     tree = proposer.propose([request(tokens, verified)])[0]
-    predictions = [target(tuple(tokens) + path_to(tree.token_ids, tree.parents, node)) for node in range(tree.size)]
+    predictions = [target(tuple(tokens) + path) for path in token_paths(tree.token_ids, tree.parents)]
     result = verify_greedy(tree, predictions)
     return tree, result, tokens + result.new_tokens, VerifiedTree(tree.token_ids, tree.parents, predictions)
 
@@ -79,7 +78,7 @@ def test_the_pool_drafts_the_ngrams_of_the_root_and_the_target_accepts_them():
     for _ in range(16):
         pool = {first: dict(tails) for first, tails in proposer._windows["r"].pool.items()} if "r" in proposer._windows else {}
         tree, result, tokens, verified = step(proposer, tokens, verified, cycle)
-        drafted = {path_to(tree.token_ids, tree.parents, node) for node in range(1, tree.size)}
+        drafted = set(token_paths(tree.token_ids, tree.parents)[1:])
         from_pool += any(tuple(result.accepted_tokens[:len(tail)]) == tail and tail in drafted
                          for tail in pool.get(tree.token_ids[0], {}))
     assert from_pool > 0
