@@ -1,4 +1,4 @@
-"""`specserve train eagle3|medusa`: the target's own answers and hidden states, then the head.
+"""`specserve train eagle3|medusa|dflash`: the target's own answers and hidden states, then the head.
 
 Two resumable stages under one work folder (default `$SPECSERVE_CACHE/train/<model>`):
 1. data: the target answers the prompt set (speculators/train/prompts.py, plus user turns the
@@ -27,15 +27,17 @@ from actors.model.loader import DEFAULT_MODEL, cache_root, load_config, load_mod
 from cluster.engine.build import encode_prompt, local_engine, recording_decoder
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
-from speculators.heads.checkpoint import default_aux_layers, save_eagle3, save_medusa
+from speculators.heads.checkpoint import default_aux_layers, save_dflash, save_eagle3, save_medusa
 from speculators.sampling import SamplingParams
 from speculators.train.dataset import FeatureStore
 from speculators.train.dataset import work_folder as train_folder
+from speculators.train.dflash import new_drafter
 from speculators.train.eagle3 import new_head
 from speculators.train.loop import TrainConfig, train
-from speculators.train.medusa import choose_tree, new_heads
+from speculators.train.medusa import new_heads
 from speculators.train.objective import head_objective
 from speculators.train.prompts import Prompt, build_prompts
+from speculators.train.ranks import choose_tree
 from speculators.train.recorder import AnswerRecorder, recorded_layers
 from speculators.train.vocab import coverage, frequent_tokens
 
@@ -106,15 +108,28 @@ def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max
     return store
 
 
+def mask_token(tokenizer) -> int:
+    """The token a DFlash block's masked rows carry: the tokenizer's mask token, else the last of its
+    added tokens that is none of its special ones (chat markers, end of text), which answers never hold."""
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    special = set(tokenizer.all_special_ids)
+    unused = [i for i in tokenizer.added_tokens_decoder if i not in special]
+    if not unused:
+        raise ValueError("the tokenizer has no mask token and no spare added token: give --mask-token-id")
+    return max(unused)
+
+
 def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConfig, draft_vocab: int = 8192,
                ttt_steps: int = 3, medusa_heads: int = 4, tree_size: int = 24, verifier: str | None = None,
-               log=print) -> dict:
-    """Train an `eagle3` or `medusa` head on the data in `folder` and write it to `out`.
+               block_size: int = 8, draft_layers: int = 2, mask_token_id: int | None = None, log=print) -> dict:
+    """Train an `eagle3` or `medusa` head or a `dflash` block drafter on the data in `folder` and
+    write it to `out`.
 
     Returns what the head's card reports (data, steps, held-out figures)."""
     target_config = load_config(resolve_model(model))
     store = FeatureStore(folder / "data", recorded_layers(target_config.num_layers))
-    layers = default_aux_layers(target_config.num_layers) if kind == "eagle3" else (target_config.num_layers,)
+    layers = (target_config.num_layers,) if kind == "medusa" else default_aux_layers(target_config.num_layers)
     examples = store.read(layers)
     train_set = [e for e in examples if not e.held_out]
     held_out = [e for e in examples if e.held_out]
@@ -122,6 +137,8 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         raise ValueError(f"none of the {len(examples)} recorded answers is held out (one prompt in twenty is): "
                          "record more prompts; the card reports held-out figures")
     responses = [e.tokens[e.prompt_length:] for e in train_set]
+    if kind == "dflash":  # scored by the target's own LM head
+        draft_vocab = target_config.vocab_size
     vocabulary = frequent_tokens(responses, draft_vocab, target_config.vocab_size)
     embedding = load_tensors(model, ["model.embed_tokens.weight", "lm_head.weight"], device=config.device)
     lm_head = embedding.get("lm_head.weight", embedding["model.embed_tokens.weight"])
@@ -132,14 +149,22 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
     if kind == "eagle3":
         module = new_head(target_config.hf_config, vocabulary, layers, lm_head[vocabulary])
         module.share_target(embedding["model.embed_tokens.weight"])
+    elif kind == "dflash":
+        mask = mask_token_id if mask_token_id is not None else mask_token(load_tokenizer(model))
+        module = new_drafter(target_config.hf_config, tuple(layer - 1 for layer in layers), draft_layers, block_size, mask)
+        module.share_target(embedding["model.embed_tokens.weight"], lm_head)
     else:
         module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
     objective = head_objective(kind, module, ttt_steps)
     held = train(module, objective, train_set, held_out, config, folder / "runs" / kind, log)
     figures = objective.summary(held)
     verifier = verifier or str(model)
+    choices = None
     if kind == "eagle3":
         save_eagle3(module, out, verifier, list(target_config.hf_config.architectures or ["LlamaForCausalLM"]), ttt_steps)
+    elif kind == "dflash":
+        module.tree_choices = choices = choose_tree(objective.rank_rates(held), tree_size)
+        save_dflash(module, out, verifier, target_config.num_layers)
     else:
         choices = choose_tree(objective.rank_rates(held), tree_size)
         save_medusa(module, out, verifier, choices)
@@ -149,11 +174,14 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
             "response_tokens": sum(len(r) for r in responses), "rows": sum(e.hidden.shape[0] for e in train_set),
             "steps": steps, "held_out": figures, "config": asdict(config), "draft_vocab": len(vocabulary),
             "vocab_coverage": coverage([e.tokens[e.prompt_length:] for e in held_out], vocabulary, target_config.vocab_size),
-            **({"ttt_steps": ttt_steps} if kind == "eagle3" else {"medusa_choices": choices})}
+            **({"ttt_steps": ttt_steps} if kind == "eagle3" else {"tree_choices": choices}),
+            **({"block_size": block_size, "draft_layers": draft_layers, "mask_token_id": module.mask_token_id}
+               if kind == "dflash" else {})}
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("kind", choices=["eagle3", "medusa"], help="the head to train")
+    parser.add_argument("kind", choices=["eagle3", "medusa", "dflash"],
+                        help="the head to train (dflash: a block drafter for method parallel)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target: a known name, a .gguf file or a HF directory")
     parser.add_argument("--out", type=Path, default=None, help="where the head goes (default: <workdir>/<kind>)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -172,7 +200,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ttt-steps", type=int, default=3,
                         help="eagle3: drafting steps unrolled in training (training-time test)")
     parser.add_argument("--medusa-heads", type=int, default=4)
-    parser.add_argument("--tree-size", type=int, default=24, help="medusa: nodes of the tree chosen from held-out ranks")
+    parser.add_argument("--tree-size", type=int, default=24,
+                        help="medusa, dflash: nodes of the tree chosen from held-out ranks")
+    parser.add_argument("--block-size", type=int, default=8,
+                        help="dflash: rows of a block, the last committed token and block_size - 1 drafted ones")
+    parser.add_argument("--draft-layers", type=int, default=2, help="dflash: the drafter's layers")
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="dflash: the token of masked rows (default: the tokenizer's mask token, else its last "
+                        "spare added token)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 products")
     parser.add_argument("--verifier-name", default=None,
@@ -188,7 +223,7 @@ def run(args) -> int:
     config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
                          autocast=not args.no_autocast)
     card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,
-                      args.tree_size, args.verifier_name)
+                      args.tree_size, args.verifier_name, args.block_size, args.draft_layers, args.mask_token_id)
     card["command"] = shlex.join(["specserve", *sys.argv[1:]])  # as typed
     write_card(out, card)
     print(f"wrote {out}")
@@ -216,6 +251,6 @@ def write_card(out: Path, card: dict) -> None:
         f"- held-out: loss {figures['loss']:.3f}; top-1 agreement with the target by depth: {depths}; "
         f"estimated accepted tokens per pass for a chain as deep as that: {figures['accept']:.2f}",
     ]
-    if "medusa_choices" in card:
-        lines.append(f"- tree ({len(card['medusa_choices'])} nodes, from held-out ranks): `{card['medusa_choices']}`")
+    if card.get("tree_choices"):
+        lines.append(f"- tree ({len(card['tree_choices'])} nodes, from held-out ranks): `{card['tree_choices']}`")
     (out / "README.md").write_text("\n".join(lines) + "\n")

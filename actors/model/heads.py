@@ -23,9 +23,10 @@ from speculators.heads.checkpoint import load_head
 from speculators.proposers.base import Proposer
 from speculators.proposers.eagle import EagleProposer
 from speculators.proposers.medusa import MedusaProposer
+from speculators.proposers.parallel import ParallelProposer
 
 TRAINED_HEADS = Path(__file__).resolve().parents[2] / "speculators" / "heads" / "trained"
-HEAD_KINDS = {"eagle3": ("eagle3", "eagle"), "medusa": ("medusa",)}
+HEAD_KINDS = {"eagle3": ("eagle3", "eagle"), "medusa": ("medusa",), "parallel": ("dflash",)}
 """method -> checkpoint kinds it serves (EAGLE-1/2 checkpoints draft the way EAGLE-3 heads do)."""
 
 
@@ -78,6 +79,8 @@ def head_proposer(method: str, source: Path, config: DecoderConfig, model: str, 
     if checkpoint.kind == "medusa":
         return MedusaProposer(fast_projections(module), config.num_layers, medusa_choices or checkpoint.medusa_choices)
     _attach_target(module, model, target, dtype, device)
+    if checkpoint.kind == "dflash":
+        return ParallelProposer(fast_projections(module), medusa_choices)
     return EagleProposer(fast_projections(module), width)
 
 

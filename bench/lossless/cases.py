@@ -118,11 +118,12 @@ DRAFTERS = {
     "lookahead": {"method": "lookahead", "lookahead_decoding_ngram_size": 3},
     "eagle3": {"method": "eagle3", "draft": "<eagle3 head>"},
     "medusa": {"method": "medusa", "draft": "<medusa head>"},
+    "parallel": {"method": "parallel", "draft": "<dflash drafter>"},
     "suffix-eagle3": {"method": "eagle3", "draft": "<eagle3 head>", "suffix_min_score": 1.0},
 }
-"""EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>', '<medusa head>' and '<rest
-datastore>' stand for the paths of the separate tiny draft, of the random heads and of a datastore of the
-target's samples (engines.PLACEHOLDERS)."""
+"""EngineConfig fields of each drafter; '<draft model>', '<eagle3 head>', '<medusa head>', '<dflash
+drafter>' and '<rest datastore>' stand for the paths of the separate tiny draft, of the random heads and
+of a datastore of the target's samples (engines.PLACEHOLDERS)."""
 
 TREE = {"draft_width": 3}
 TIGHT_KV = {"kv_positions": 32 * 32, "block_size": 4, "prefill_chunk_tokens": 6}
@@ -159,6 +160,7 @@ CASES = [
     Case("eagle3-chain", "eagle3"),
     Case("eagle3-tree", "eagle3", engine=TREE),
     Case("medusa-tree", "medusa"),
+    Case("parallel-tree", "parallel"),
     Case("suffix-eagle3-chain", "suffix-eagle3"),
     # the planner cutting trees (deterministic trees) and sizing drafts (a costly drafter)
     Case("pld-tree-planned", "pld-tree", planned=True, lookahead=CONFIDENCE),
@@ -166,6 +168,7 @@ CASES = [
     Case("rest-tree-planned", "rest", planned=True, lookahead=CONFIDENCE),
     Case("lookahead-tree-planned", "lookahead", planned=True, lookahead=CONFIDENCE),
     Case("draft-tree-planned", "draft", planned=True, lookahead=CONFIDENCE, engine=TREE),
+    Case("parallel-tree-planned", "parallel", planned=True, lookahead=CONFIDENCE),
     # lookahead policies
     Case("pld-tree-heuristic", "pld-tree", lookahead=HEURISTIC),
     Case("draft-tree-heuristic", "draft", lookahead=HEURISTIC, engine=TREE),
@@ -211,6 +214,7 @@ CASES += [
     Case("keyed-layer-skip-chain", "layer-skip", **KEYED),
     Case("keyed-eagle3-tree", "eagle3", engine=TREE, **KEYED),
     Case("keyed-medusa-tree", "medusa", **KEYED),
+    Case("keyed-parallel-tree", "parallel", **KEYED),
     Case("keyed-suffix-eagle3-chain", "suffix-eagle3", **KEYED),
     Case("keyed-draft-tree-planned", "draft", planned=True, lookahead=CONFIDENCE, engine=TREE, **KEYED),
     Case("keyed-pld-tree-grammar-penalties", "pld-tree", groups=(

@@ -62,7 +62,7 @@ class CaseRun:
 
 
 PLACEHOLDERS = {"<draft model>": "draft_dir", "<eagle3 head>": "eagle3_dir", "<medusa head>": "medusa_dir",
-                "<rest datastore>": "rest_datastore_dir"}
+                "<dflash drafter>": "dflash_dir", "<rest datastore>": "rest_datastore_dir"}
 """DRAFTERS values that stand for a folder of TinyModels (the attribute that writes it)."""
 
 

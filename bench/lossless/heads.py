@@ -1,19 +1,22 @@
-"""Trained-head checkpoints for the harness's tiny target: an EAGLE-3 head and Medusa heads with
-random weights, written in the format the engine serves (and vLLM reads).
+"""Trained-head checkpoints for the harness's tiny target: an EAGLE-3 head, Medusa heads and a DFlash
+block drafter with random weights, written in the format the engine serves (and vLLM reads).
 
 Random weights are enough: losslessness must hold whatever a head proposes. Both draft from 9 of
 the target's 12 tokens, so the distributions of their sampled drafts give the other 3 nothing,
 which verification must handle. They carry their own embedding and LM heads, so they need none of
-the target's tensors (the in-process target runs in float64, the heads in the engine's dtype).
+the target's tensors (the in-process target runs in float64, the heads in the engine's dtype). The
+DFlash drafter has no vocabulary of its own: it embeds and scores with the target's tensors, over
+all 12 tokens.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
-from speculators.heads.checkpoint import save_eagle3, save_medusa
+from speculators.heads.checkpoint import save_dflash, save_eagle3, save_medusa
+from speculators.heads.dflash import DFlashDrafter
 from speculators.heads.eagle import EagleHead
 from speculators.heads.medusa import MedusaHeads
 
@@ -45,4 +48,17 @@ def write_medusa(target: LlamaConfig, path: Path) -> Path:
     heads = MedusaHeads(target.hidden_size, target.vocab_size, 3, 1, DRAFT_VOCAB, shared_lm_head=False)
     heads.token_map.copy_(_randomised(heads, target.vocab_size))
     save_medusa(heads, path, str(path), MEDUSA_CHOICES, dtype=torch.float64)
+    return path
+
+
+def write_dflash(target: LlamaConfig, path: Path) -> Path:
+    """A one-layer drafter of blocks of 4 reading both layers' outputs of a 2-layer target, drafting
+    the Medusa heads' tree; the last token is its mask token."""
+    layer = Qwen3Config(vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
+                        num_key_value_heads=target.num_key_value_heads, rms_norm_eps=target.rms_norm_eps)
+    drafter = DFlashDrafter(layer, (0, target.num_hidden_layers - 1), 4, target.vocab_size - 1,
+                            tree_choices=MEDUSA_CHOICES)
+    _randomised(drafter, target.vocab_size)
+    save_dflash(drafter, path, str(path), target.num_hidden_layers, dtype=torch.float64)
     return path

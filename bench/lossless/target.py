@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
 
 from bench.lossless.cases import LONG_PROMPT, PROMPT, SHORT_PROMPT
-from bench.lossless.heads import write_eagle3, write_medusa
+from bench.lossless.heads import write_dflash, write_eagle3, write_medusa
 from speculators.datastore import tokenizer_fingerprint, write_datastore
 from speculators.penalties import Penalties
 from speculators.sampling import SamplingParams, warp
@@ -79,6 +79,10 @@ class TinyModels:
     @cached_property
     def medusa_dir(self) -> Path:
         return write_medusa(self.reference.config, self.root / "medusa")
+
+    @cached_property
+    def dflash_dir(self) -> Path:
+        return write_dflash(self.reference.config, self.root / "dflash")
 
     @cached_property
     def rest_datastore_dir(self) -> Path:

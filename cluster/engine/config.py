@@ -22,8 +22,8 @@ from speculators.proposers import lookahead_decoding as lade
 from speculators.proposers import prompt_lookup as pld
 from speculators.proposers import rest, suffix
 
-Method = Literal["none", "pld", "suffix", "rest", "lookahead", "draft", "eagle3", "medusa"]
-HEAD_METHODS = ("eagle3", "medusa")
+Method = Literal["none", "pld", "suffix", "rest", "lookahead", "draft", "eagle3", "medusa", "parallel"]
+HEAD_METHODS = ("eagle3", "medusa", "parallel")
 """Methods that draft with a trained head reading the target's hidden states."""
 LAYER_SKIP_PREFIX = "layer-skip:"
 MIN_AUTO_CHUNK = 64
@@ -69,7 +69,7 @@ class SchedulerConfig(BaseModel):
         "prompt longer than this, which is prefilled alone")
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV cache blocks of a prompt prefix computed before in the same cache scope "
-        "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa), which need every "
+        "(the tenant, as limits.cache_sharing decides); off with trained heads (eagle3, medusa, parallel), which need every "
         "prompt token's hidden state")
     max_tree_nodes: int = Field(32, ge=0, le=256, description="most drafted tokens in one request's tree")
     lookahead: LookaheadConfig = Field(
@@ -147,11 +147,12 @@ class EngineConfig(SchedulerConfig):
         "the request's own text and earlier outputs), rest (retrieval from the corpus of rest_datastore), lookahead "
         "(Lookahead decoding: n-grams from Jacobi iterations in the verification pass), draft (a "
         "draft model), or a trained head reading the "
-        "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint) or medusa")
+        "target's hidden states: eagle3 (an EAGLE-3 head, or an EAGLE-1/2 checkpoint), medusa, or parallel (a DFlash "
+        "block drafter: every depth from one pass)")
     draft: str = Field(
         "layer-skip:6",
         description="method=draft: a model name/path with the target's tokenizer, or 'layer-skip:N' for a "
-        "self-draft made of the target's first N layers; eagle3/medusa: a head checkpoint folder or a "
+        "self-draft made of the target's first N layers; eagle3/medusa/parallel: a head checkpoint folder or a "
         "trained head's name such as 'eagle3:smollm2-135m' (the layer-skip default means the method's trained "
         "head for the target)",
     )
@@ -160,10 +161,10 @@ class EngineConfig(SchedulerConfig):
         "eagle3 greedy requests: 1 drafts a chain, k > 1 EAGLE-2's dynamic tree expanding the k best nodes "
         "by k tokens at each depth; null: the method's best measured width (eagle3 4, else 1)")
     medusa_choices: list[list[int]] | None = Field(
-        None, description="medusa: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); null "
-        "takes the head checkpoint's own")
+        None, description="medusa and parallel: the static tree as a list of rank paths ([[0], [0, 0], [1], ...]); "
+        "null takes the head checkpoint's own (a parallel drafter's without one: a chain)")
     suffix_min_score: float | None = Field(
-        None, ge=0, description="eagle3/medusa: suffix decoding drafts first, and its tree is used when its "
+        None, ge=0, description="eagle3/medusa/parallel: suffix decoding drafts first, and its tree is used when its "
         "expected accepted tokens reach this score, else the head's (Arctic Inference's hybrid); null: the head "
         "alone")
     prompt_lookup_num_tokens: int = Field(

@@ -10,12 +10,17 @@ Read (the layout is recognised from config.json and the tensor names):
   `midlayer.` instead of `layers.0.` (norm after the residual, as that code does).
 - `eagle` (EAGLE-1/2): a one-layer Llama config, `fc.weight` [H, 2H] (+ bias), `layers.0.*`; the
   target's LM head scores its output.
+- `dflash`, z-lab's DFlash block drafters (what vLLM and SGLang load; see speculators/heads/dflash.py):
+  a Qwen3-style config with `dflash_config: {mask_token_id, target_layer_ids}`, `block_size`,
+  `num_target_layers`; tensors `fc.weight`, `hidden_norm.weight`, `layers.{i}.*`, `norm.weight`.
+  DFlash-2 drafters (candidate selector, dynamic convolutions) and sliding-window or causal blocks
+  are refused by name.
 - `medusa`, vLLM's format: `model_type: "medusa"`, `blocks.{k}.layers.{j}.*`, `lm_heads.{k}.weight`
   (one shared with `original_lm_head`), optional `token_map`; and the Medusa repository's layout
   (`medusa_num_heads`, `medusa_head.{k}.{j}.linear.*`, `medusa_head.{k}.{num_layers}.weight`).
 EAGLE-3 aux layers default to vLLM's choice, (2, L // 2, L - 3) of an L-layer target.
 
-Written: EAGLE-3 heads in the `speculators` format, Medusa heads in vLLM's, so a head trained here
+Written: EAGLE-3 heads in the `speculators` format, Medusa heads in vLLM's, DFlash drafters in z-lab's, so a head trained here
 serves in vLLM and any head read here can be rewritten in those formats (`specserve convert-head`);
 EAGLE-1/2 heads in their own layout with safetensors weights.
 
@@ -35,8 +40,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
+from speculators.heads.dflash import DFlashDrafter
 from speculators.heads.eagle import EagleHead
 from speculators.heads.medusa import MedusaHeads
 
@@ -50,8 +56,8 @@ LAYER_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 @dataclass
 class HeadCheckpoint:
     kind: str
-    """'eagle3', 'eagle' (EAGLE-1/2) or 'medusa'."""
-    module: EagleHead | MedusaHeads
+    """'eagle3', 'eagle' (EAGLE-1/2), 'medusa' or 'dflash'."""
+    module: EagleHead | MedusaHeads | DFlashDrafter
     verifier: str | None = None
     """The target it was trained for, as its config names it."""
     medusa_choices: list[list[int]] | None = None
@@ -118,6 +124,8 @@ def load_head(path: str | Path, num_target_layers: int | None = None, allow_pick
     tensors = read_tensors(path, allow_pickle)
     if config.get("model_type") == "medusa" or "medusa_num_heads" in config:
         return _medusa(config, tensors)
+    if "dflash_config" in config or any("DFlash" in name for name in config.get("architectures") or ()):
+        return _dflash(path, config, tensors)
     if config.get("speculators_model_type") == "eagle3":
         return _eagle3(config, config["transformer_layer_config"], tensors, num_target_layers,
                        config.get("norm_before_residual", True))
@@ -128,7 +136,7 @@ def load_head(path: str | Path, num_target_layers: int | None = None, allow_pick
         return _eagle3(config, config, renamed, num_target_layers, config.get("norm_before_residual", False))
     if "fc.weight" in tensors:
         return _eagle1(config, tensors, num_target_layers)
-    raise ValueError(f"{path}: not an EAGLE, EAGLE-3 or Medusa checkpoint this project reads")
+    raise ValueError(f"{path}: not an EAGLE, EAGLE-3, Medusa or DFlash checkpoint this project reads")
 
 
 def _layer_config(values: dict) -> LlamaConfig:
@@ -172,6 +180,37 @@ def _eagle1(config: dict, tensors, num_target_layers) -> HeadCheckpoint:
                      own_embedding="embed_tokens.weight" in tensors)
     _load(head, {k: v for k, v in tensors.items() if not k.startswith("lm_head")}, "EAGLE-1/2")
     return HeadCheckpoint("eagle", head, _verifier(config), extra={"config": config})
+
+
+DFLASH_CONFIG_KEYS = ("architectures", "model_type", "auto_map", "dflash_config", "torch_dtype", "dtype",
+                      "transformers_version", "_name_or_path")
+
+
+def _dflash_value(config: dict, name: str, default=None):
+    """A DFlash setting: under `dflash_config` in newer configs, at the top level in older ones."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
+
+
+def _dflash(path: Path, config: dict, tensors) -> HeadCheckpoint:
+    if any(name.startswith("candidate_selector.") or "_conv." in name for name in tensors):
+        raise ValueError(f"{path}: a DFlash-2 drafter (candidate selector, dynamic convolutions); only DFlash "
+                         "block drafters (architectures DFlashDraftModel) are supported")
+    layer_types = config.get("layer_types") or ()
+    if config.get("use_sliding_window") or "sliding_attention" in layer_types or config.get("is_causal"):
+        raise ValueError(f"{path}: sliding-window or causal DFlash blocks are not supported (full, non-causal "
+                         "attention inside the block only)")
+    layer_ids = _dflash_value(config, "target_layer_ids")
+    mask_token = _dflash_value(config, "mask_token_id")
+    if layer_ids is None or mask_token is None:
+        raise ValueError(f"{path}: a DFlash config names dflash_config.target_layer_ids and mask_token_id")
+    values = {k: v for k, v in config.items() if k not in DFLASH_CONFIG_KEYS}
+    drafter = DFlashDrafter(Qwen3Config(**values), layer_ids, int(_dflash_value(config, "block_size", 16)), int(mask_token),
+                            tensors["fc.weight"].shape[1] // len(layer_ids),
+                            float(_dflash_value(config, "output_multiplier", 1.0)),
+                            _dflash_value(config, "final_logit_softcapping"), config.get("tree_choices"))
+    _load(drafter, tensors, "DFlash")
+    return HeadCheckpoint("dflash", drafter, _verifier(config), speculative_tokens=drafter.block_size - 1,
+                          extra={"num_target_layers": config.get("num_target_layers", 0)})
 
 
 _PUBLIC_MEDUSA = re.compile(r"^medusa_head\.(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
@@ -263,12 +302,35 @@ def save_medusa(heads: MedusaHeads, path: str | Path, verifier: str, choices: li
     _save(tensors, config, Path(path), dtype)
 
 
+def save_dflash(drafter: DFlashDrafter, path: str | Path, verifier: str, num_target_layers: int,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """z-lab's DFlash layout, plus the static tree this project drafts with (`tree_choices`)."""
+    full = drafter.config.to_dict()
+    layer = {**drafter.config.to_diff_dict(), **{key: full[key] for key in LAYER_KEYS if key in full}}
+    for key in DFLASH_CONFIG_KEYS:
+        layer.pop(key, None)
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **layer,
+        "num_hidden_layers": len(drafter.layers),
+        "block_size": drafter.block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)},
+        "verifier": verifier,
+        **({"tree_choices": drafter.tree_choices} if drafter.tree_choices else {}),
+    }
+    _save(drafter.state_dict(), config, Path(path), dtype)
+
+
 def save_head(checkpoint: HeadCheckpoint, path: str | Path, verifier_architectures: list[str] = ("LlamaForCausalLM",),
               dtype: torch.dtype = torch.bfloat16) -> None:
     """A head read in any layout, written in this project's (and vLLM's) format; an EAGLE-1/2 head
     (which has no other format) in its own layout, with safetensors weights."""
     if checkpoint.kind == "medusa":
         save_medusa(checkpoint.module, path, checkpoint.verifier or "", checkpoint.medusa_choices, dtype)
+    elif checkpoint.kind == "dflash":
+        save_dflash(checkpoint.module, path, checkpoint.verifier or "", checkpoint.extra.get("num_target_layers", 0), dtype)
     elif checkpoint.kind == "eagle3":
         save_eagle3(checkpoint.module, path, checkpoint.verifier or "", list(verifier_architectures),
                     checkpoint.speculative_tokens or 5, dtype)

@@ -1,4 +1,4 @@
-"""Small random EAGLE and Medusa heads for the tiny target of tests/conftest.py (vocabulary 64,
+"""Small random EAGLE and Medusa heads and DFlash drafters for the tiny target of tests/conftest.py (vocabulary 64,
 hidden size 32, 4 layers), and public-layout checkpoints written from them."""
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
+from speculators.heads.dflash import DFlashDrafter
 from speculators.heads.eagle import EagleHead
 from speculators.heads.medusa import MedusaHeads
 
@@ -50,6 +51,33 @@ def random_medusa(seed: int = 3, num_heads: int = 4, draft_vocab: int | None = 4
     if draft_vocab:
         heads.token_map.copy_(torch.randperm(vocab)[:draft_vocab])
     return heads.double()
+
+
+DFLASH_BLOCK, DFLASH_MASK = 4, VOCAB - 1
+
+
+def dflash_config(vocab: int = VOCAB, layers: int = 2) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False)
+
+
+def random_dflash(seed: int = 4, block_size: int = DFLASH_BLOCK, vocab: int = VOCAB, scale: float = 0.3) -> DFlashDrafter:
+    """A drafter reading the outputs of the tiny target's layers AUX - 1 (hidden states AUX)."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(dflash_config(vocab), [layer - 1 for layer in AUX], block_size, DFLASH_MASK)
+    for parameter in drafter.parameters():
+        parameter.data.normal_(0, scale)
+    return drafter.double()
+
+
+def dflash_public_layout(drafter: DFlashDrafter, folder: Path) -> Path:
+    """z-lab's layout as its published checkpoints have it: the block size at the top level, the
+    layer ids and mask token under dflash_config, an auto_map this project does not run."""
+    config = {**drafter.config.to_dict(), "architectures": ["DFlashDraftModel"], "block_size": drafter.block_size,
+              "num_target_layers": LAYERS, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+              "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}}
+    return write(folder, config, drafter.state_dict())
 
 
 def write(folder: Path, config: dict, tensors: dict[str, torch.Tensor], file: str = "model.safetensors") -> Path:

@@ -8,7 +8,8 @@ import torch
 from speculators.hidden import TargetHidden
 from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
-from speculators.proposers.medusa import MedusaProposer, StaticTree
+from speculators.proposers.medusa import MedusaProposer
+from speculators.proposers.static_tree import StaticTree
 from speculators.sampling import SamplingParams
 from tests.speculators.heads_fixtures import HIDDEN, LAYERS, VOCAB, random_eagle3, random_medusa
 

@@ -19,7 +19,9 @@ from speculators.heads.checkpoint import (
 from speculators.hidden import TargetHidden
 from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
+from speculators.proposers.parallel import ParallelProposer
 from speculators.train.dataset import Example
+from speculators.train.dflash import DFlashObjective
 from speculators.train.eagle3 import Eagle3Objective
 from speculators.train.packing import pack
 from tests.speculators.heads_fixtures import (
@@ -27,10 +29,12 @@ from tests.speculators.heads_fixtures import (
     HIDDEN,
     LAYERS,
     VOCAB,
+    dflash_public_layout,
     eagle1_layout,
     eagle3_original_layout,
     layer_config,
     medusa_public_layout,
+    random_dflash,
     random_eagle1,
     random_eagle3,
     random_medusa,
@@ -194,3 +198,73 @@ def test_drafting_computes_what_training_time_test_computes(norm_before_residual
             row = (rows_run == last).nonzero()[0, 0]
             probs = head.logits(out[row]).softmax(-1)
             assert float(probs[objective.to_draft[drafted[step]]]) == pytest.approx(tree.confidence[step + 1], rel=1e-6)
+
+
+def dflash_outputs(drafter, seed=0, rows=9):
+    """Block logits after `rows` committed rows: a fingerprint of every weight of the drafter."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCAB, (rows + 1,), generator=generator).tolist()
+    hidden = torch.randn(rows, len(AUX) * HIDDEN, generator=generator, dtype=torch.float64)
+    request = DraftRequest("r", tokens, drafter.block_size - 1, 16, hidden=TargetHidden(0, hidden))
+    proposer = ParallelProposer(drafter)
+    proposer._catch_up([request])
+    return proposer._draft([request])[0]
+
+
+def test_dflash_in_the_public_layout_loads_and_round_trips(tmp_path):
+    drafter = random_dflash()
+    share_random_target(drafter)
+    loaded = load_head(dflash_public_layout(drafter, tmp_path / "public"))
+    assert loaded.kind == "dflash" and loaded.speculative_tokens == drafter.block_size - 1
+    module = loaded.module.double()
+    assert module.hidden_layers == AUX and module.mask_token_id == drafter.mask_token_id
+    share_random_target(module)
+    assert torch.equal(dflash_outputs(module), dflash_outputs(drafter))
+    module.tree_choices = [[0], [1], [0, 0], [0, 0, 0]]
+    save_head(loaded, tmp_path / "ours", dtype=torch.float64)
+    again = load_head(tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == LAYERS
+    assert config["dflash_config"] == {"mask_token_id": drafter.mask_token_id, "target_layer_ids": [0, 1, 2]}
+    assert again.module.tree_choices == [[0], [1], [0, 0], [0, 0, 0]]
+    share_random_target(again.module)
+    assert torch.equal(dflash_outputs(again.module.double()), dflash_outputs(drafter))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"architectures": ["DFlash2DraftModel"], "tensors": {"candidate_selector.hidden_projection.weight": torch.zeros(2, 2)}},
+     "DFlash-2"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window or causal"),
+    ({"is_causal": True}, "sliding-window or causal"),
+    ({"dflash_config": {"mask_token_id": 3}}, "target_layer_ids and mask_token_id"),
+])
+def test_dflash_variants_this_project_does_not_run_are_refused_by_name(tmp_path, change, message):
+    drafter = random_dflash()
+    folder = dflash_public_layout(drafter, tmp_path)
+    config = {**json.loads((folder / "config.json").read_text()), **change}
+    tensors = {**drafter.state_dict(), **config.pop("tensors", {})}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        load_head(folder)
+
+
+def test_block_drafting_computes_what_training_computes():
+    """The proposer's block (context cached in two pieces, then one block) gives every depth the
+    logits training gives the block anchored at the same root."""
+    drafter = random_dflash()
+    share_random_target(drafter)
+    committed = 12
+    tokens = torch.randint(VOCAB, (committed + drafter.block_size,)).tolist()
+    hidden = torch.randn(len(tokens) - 1, len(AUX) * HIDDEN, dtype=torch.float64)
+    proposer = ParallelProposer(drafter)
+    proposer.propose([DraftRequest("r", tokens[:6], 0, 16, hidden=TargetHidden(0, hidden[:5]))])
+    request = DraftRequest("r", tokens[:committed], drafter.block_size - 1, 16, hidden=TargetHidden(5, hidden[5:committed - 1]))
+    proposer._catch_up([request])
+    drafted = proposer._draft([request])
+    objective = DFlashObjective(drafter)
+    with torch.no_grad():
+        out = objective.blocks(pack([Example(0, torch.tensor(tokens), hidden, 0, False)], torch.float64),
+                               torch.tensor([committed - 1]))
+    trained = drafter.logits(out[0, 1:]).float()
+    assert torch.allclose(drafted[0], trained, atol=1e-6)

@@ -10,8 +10,9 @@ import torch
 
 from speculators.train.dataset import Example, FeatureStore
 from speculators.train.loop import CHECKPOINT, LEGACY_CHECKPOINT, TrainConfig, load_checkpoint, save_checkpoint, train
-from speculators.train.medusa import MedusaObjective, choose_tree, new_heads
+from speculators.train.medusa import MedusaObjective, new_heads
 from speculators.train.prompts import KINDS, build_prompts
+from speculators.train.ranks import choose_tree
 from speculators.train.vocab import coverage, frequent_tokens
 from tests.actors.test_hidden_states import full_pass
 from tests.speculators.heads_fixtures import AUX, HIDDEN, LAYERS, VOCAB, tiny_training_data

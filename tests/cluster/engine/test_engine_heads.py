@@ -1,5 +1,5 @@
-"""Trained-head drafters (EAGLE-3 chain and dynamic tree, an EAGLE-1/2 checkpoint, Medusa, and
-suffix decoding with an EAGLE-3 head behind it) through the engine: greedy output identical to
+"""Trained-head drafters (EAGLE-3 chain and dynamic tree, an EAGLE-1/2 checkpoint, Medusa, a DFlash
+block drafter, and suffix decoding with an EAGLE-3 head behind it) through the engine: greedy output identical to
 plain decoding, sampled output with the target's distribution. The heads read the target's hidden
 states, which prefill and verification return."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
 from speculators.proposers.hybrid import HybridProposer, expected_accepted
 from speculators.proposers.medusa import MedusaProposer
+from speculators.proposers.parallel import ParallelProposer
 from speculators.proposers.suffix import SuffixProposer
 from speculators.sampling import SamplingParams
 from tests.cluster.engine.test_engine_lossless import (  # noqa: F401  (plain_outputs is a fixture)
@@ -33,12 +34,13 @@ from tests.cluster.engine.test_engine_lossless import (  # noqa: F401  (plain_ou
     run_engine,
 )
 from tests.conftest import IdTokenizer, tiny_pair
-from tests.speculators.heads_fixtures import LAYERS, random_eagle1, random_eagle3, random_medusa
+from tests.speculators.heads_fixtures import LAYERS, random_dflash, random_eagle1, random_eagle3, random_medusa
 
-KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa", "suffix+eagle3"]
+KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa", "suffix+eagle3", "parallel", "parallel-tree"]
 TRAINED = ("eagle3", "eagle3-tree", "medusa", "suffix+eagle3")
 """Kinds whose tests use heads trained on the tiny target (their drafts get accepted); the EAGLE-1
-head is random (no trainer here), so only its losslessness is tested."""
+head is random (no trainer here) and so is the DFlash drafter here (tests/speculators/test_train.py
+trains one), so only their losslessness is tested."""
 MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
@@ -54,6 +56,10 @@ def head_proposer(kind: str, model, trained=None, vocab: int = 64, draft_vocab: 
         head = copy.deepcopy(head).to(model.dtype)
         head.share_target(model.model.embed_tokens.weight)
         return EagleProposer(head, width)
+    if kind.startswith("parallel"):
+        drafter = random_dflash(vocab=vocab).to(model.dtype)
+        drafter.share_target(model.model.embed_tokens.weight, model.head_weight())
+        return ParallelProposer(drafter, MEDUSA_TREE[:7] if kind.endswith("tree") else None)
     if kind == "eagle1":
         head = random_eagle1(vocab=vocab).to(model.dtype)
         head.share_target(model.model.embed_tokens.weight, model.head_weight())
@@ -144,7 +150,7 @@ def test_the_hybrid_runs_the_head_only_when_it_drafts_and_hands_it_the_rows_it_m
     assert fresh.num_drafted > 0 and fresh.token_ids == alone.token_ids and fresh.parents == alone.parents
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa", "suffix+eagle3"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-tree", "medusa", "suffix+eagle3", "parallel-tree"])
 def test_rejection_sampled_output_with_a_head_follows_the_target(kind):
     """Rejection sampling against the head's probabilities: chi-square over the 64 cells of (first,
     second) token, 6,000 samples; the heads draft from 6 of the 8 tokens (FR-Spec), so the two

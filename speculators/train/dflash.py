@@ -1,0 +1,102 @@
+"""Training a DFlash block drafter (speculators/heads/dflash.py) on the target's own answers.
+
+A training block sits at an anchor p, a position of a packed sequence whose next token is part of
+the response: its rows are token p and `block_size - 1` mask tokens at positions p .. p + B - 1.
+They attend the context rows of their own sequence at positions < p (what serving holds when p is
+the root) and every row of their own block; block row k predicts token p + k, the target's own
+greedy answer. Each step samples up to `anchors` such positions of the batch at random (seeded),
+as DFlash trains, and runs all their blocks in one pass under one mask. Depth k's loss is weighted
+by exp(-(k - 1) / (B / 2)): the early depths decide how much of a block is accepted.
+
+The held-out figures are those of Medusa heads (speculators/train/ranks.py): top-1 per depth, the
+accepted tokens per pass of a chain, and the rank rates the drafter's static tree is chosen from.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen3Config
+
+from speculators.heads.dflash import DFlashDrafter
+from speculators.train.packing import Packed
+from speculators.train.ranks import DepthRanks
+
+ANCHORS = 128
+"""Blocks per training step (a step of 2,048 rows: about one anchor in twelve response tokens)."""
+
+
+def new_drafter(target: LlamaConfig, layer_ids: tuple[int, ...], num_layers: int, block_size: int,
+                mask_token_id: int) -> DFlashDrafter:
+    """A fresh drafter of `num_layers` layers of the target's shape, reading the outputs of target
+    layers `layer_ids`."""
+    values = target.to_dict()
+    rope = {"rope_parameters": values["rope_parameters"]} if values.get("rope_parameters") else {
+        "rope_theta": values.get("rope_theta", 10000.0)}
+    config = Qwen3Config(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                         intermediate_size=target.intermediate_size, num_hidden_layers=num_layers,
+                         num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+                         head_dim=getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads,
+                         hidden_act=target.hidden_act, rms_norm_eps=target.rms_norm_eps,
+                         max_position_embeddings=target.max_position_embeddings, attention_bias=False,
+                         tie_word_embeddings=False, **rope)
+    drafter = DFlashDrafter(config, layer_ids, block_size, mask_token_id, target.hidden_size)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return drafter
+
+
+class DFlashObjective(DepthRanks):
+    def __init__(self, drafter: DFlashDrafter, anchors: int = ANCHORS, seed: int = 0):
+        self.drafter, self.anchors = drafter, anchors
+        self.steps = drafter.block_size - 1
+        self.weights = torch.tensor([math.exp(-k / (drafter.block_size / 2)) for k in range(self.steps)])
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def blocks(self, batch: Packed, anchors: torch.Tensor) -> torch.Tensor:
+        """Outputs [len(anchors), block_size, H] of the blocks rooted at rows `anchors` of `batch`."""
+        drafter, size = self.drafter, self.drafter.block_size
+        count = len(anchors)
+        context = drafter.context(batch.hidden, batch.local)
+        seq, pos = batch.sequence[anchors], batch.local[anchors]
+        sees_context = (seq[:, None] == batch.sequence[None, :]) & (batch.local[None, :] < pos[:, None])
+        block = torch.arange(count * size, device=anchors.device) // size
+        mask = torch.cat([sees_context.repeat_interleave(size, 0), block[:, None] == block[None, :]], dim=1)
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = context[layer]
+            return F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2),
+                                                  attn_mask=mask[None, None], enable_gqa=q.shape[1] != keys.shape[1])
+
+        positions = (pos[:, None] + torch.arange(size, device=pos.device)).flatten()
+        hidden = drafter.run_block(drafter.block_tokens(batch.token(0)[anchors]), positions, attention)
+        return hidden.view(count, size, -1)
+
+    def __call__(self, batch: Packed) -> tuple[torch.Tensor, dict[str, float]]:
+        drafter, size = self.drafter, self.drafter.block_size
+        candidates = (batch.response_label(1) & (batch.local >= 1)).nonzero().squeeze(1).cpu()
+        # evaluation (no gradients) draws the same anchors of a batch every time, so figures compare across evaluations
+        generator = self.generator if torch.is_grad_enabled() else torch.Generator().manual_seed(0)
+        anchors = candidates[torch.randperm(len(candidates), generator=generator)[: self.anchors]].sort().values
+        anchors = anchors.to(batch.local.device)
+        count = len(anchors)
+        hidden = self.blocks(batch, anchors)
+        losses, sums = [], {}
+        right = torch.zeros(count, self.steps, dtype=torch.bool, device=anchors.device)
+        full = torch.ones(count, dtype=torch.bool, device=anchors.device)
+        for k in range(1, size):
+            labels, labelled = batch.token(k)[anchors], batch.response_label(k)[anchors]
+            rows = labelled.nonzero().squeeze(1)
+            logits = drafter.logits(hidden[rows, k]).float()
+            losses.append(F.cross_entropy(logits, labels[rows]) if len(rows) else logits.sum() * 0)
+            ranks = self.ranks(logits.detach(), labels[rows])
+            self.add_ranks(sums, k - 1, ranks, len(rows))
+            right[rows, k - 1] = ranks == 0
+            full &= labelled
+        weights = self.weights.to(hidden.device)
+        total = (torch.stack(losses) * weights).sum() / weights.sum()
+        leading = right[full].long().cumprod(1).sum(1)
+        sums.update(accepted=float(leading.sum()), chains=float(len(leading)), loss=float(total.detach()), batches=1.0)
+        return total, sums
