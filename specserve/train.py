@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from actors.model.loader import DEFAULT_MODEL, cache_root, load_config, load_model, load_tensors, load_tokenizer, resolve_model
+from actors.model.precision import resolve_dtype
 from cluster.engine.build import encode_prompt, local_engine, recording_decoder
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
@@ -85,10 +86,11 @@ def self_written_prompts(target, tokenizer, count: int, path: Path, log=print) -
 
 
 def generate_data(model: str, folder: Path, count: int, max_new_tokens: int, max_sequences: int,
-                  max_prompt_tokens: int = 1024, device: str = "cpu", self_prompts: int = 0, log=print) -> FeatureStore:
+                  max_prompt_tokens: int = 1024, device: str = "cpu", self_prompts: int = 0, dtype: str = "auto",
+                  log=print) -> FeatureStore:
     """The target's greedy answers to the prompt set and to `self_prompts` prompts it writes itself,
-    with their hidden states, into `folder`."""
-    target = load_model(model, device=device)
+    with their hidden states, into `folder`; the target runs in `dtype` ("auto": as it serves)."""
+    target = load_model(model, getattr(torch, resolve_dtype(dtype, device)), device=device)
     store = FeatureStore(folder, recorded_layers(target.config.num_layers))
     done = store.recorded()
     tokenizer = load_tokenizer(model)
@@ -192,6 +194,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192, help="longest answer")
     parser.add_argument("--max-sequences", type=int, default=8, help="answers decoded at once")
     parser.add_argument("--no-generate", action="store_true", help="train on the data already recorded, without adding more")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype while recording its answers (auto: the "
+                        "dtype it serves in, bfloat16 on CPUs that have it natively)")
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--batch-rows", type=int, default=2048, help="tokens per training step")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -219,7 +223,7 @@ def run(args) -> int:
     out = args.out or folder / args.kind
     if not args.no_generate:
         generate_data(args.model, folder / "data", args.prompts, args.max_new_tokens, args.max_sequences,
-                      device=args.device, self_prompts=args.self_prompts)
+                      device=args.device, self_prompts=args.self_prompts, dtype=args.dtype)
     config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
                          autocast=not args.no_autocast)
     card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,

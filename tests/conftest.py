@@ -168,6 +168,14 @@ def tiny_heads(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_dflash(tiny_model, tmp_path_factory):
+    """(DFlash drafter, its held-out figures) trained for half a minute on the tiny target's answers."""
+    from tests.speculators.heads_fixtures import trained_tiny_dflash
+
+    return trained_tiny_dflash(tiny_model[0], tmp_path_factory.mktemp("tiny-dflash"))
+
+
+@pytest.fixture(scope="session")
 def self_signed_cert(tmp_path_factory):
     """(certfile, keyfile) of a certificate for localhost / 127.0.0.1, made with the openssl tool."""
     import shutil

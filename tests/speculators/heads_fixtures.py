@@ -182,6 +182,31 @@ def trained_tiny_heads(model, folder: Path):
     return head, heads, eagle_figures, medusa_figures
 
 
+DFLASH_TRAINING = {"anchors": 256, "train": {"epochs": 30, "batch_rows": 1024, "lr": 1e-2, "warmup_steps": 10,
+                                              "eval_every": 10_000, "checkpoint_every": 10_000, "autocast": False}}
+
+
+def trained_tiny_dflash(model, folder: Path):
+    """A one-layer DFlash drafter (blocks of 4) trained for half a minute on the tiny target's
+    answers, as `specserve train dflash` trains: (drafter, held-out figures)."""
+    from speculators.train.dataset import Example
+    from speculators.train.dflash import DFlashObjective, new_drafter
+    from speculators.train.loop import TrainConfig, train
+    from tests.conftest import tiny_hf_config
+
+    torch.manual_seed(TRAINING["seed"])
+    width = [*AUX, LAYERS]
+    keep = torch.cat([torch.arange(HIDDEN) + width.index(layer) * HIDDEN for layer in AUX])
+    examples = [Example(e.index, e.tokens, e.hidden[:, keep].float(), e.prompt_length, e.held_out)
+                for e in tiny_training_data(model, TRAINING["prompts"], TRAINING["new_tokens"], TRAINING["data_seed"])]
+    drafter = new_drafter(tiny_hf_config(), tuple(layer - 1 for layer in AUX), 1, DFLASH_BLOCK, DFLASH_MASK)
+    drafter.share_target(model.model.embed_tokens.weight.float(), model.head_weight().float())
+    objective = DFlashObjective(drafter, DFLASH_TRAINING["anchors"])
+    held = train(drafter, objective, [e for e in examples if not e.held_out], [e for e in examples if e.held_out],
+                 TrainConfig(**DFLASH_TRAINING["train"]), folder, log=lambda _: None)
+    return drafter.eval(), objective.summary(held)
+
+
 def tiny_heads_key(model) -> str:
     """What the heads are trained from: the tiny target's weights and the training settings."""
     from speculators.train.loop import TrainConfig

@@ -13,7 +13,7 @@ from cluster.engine.request import GenerationRequest
 from cluster.runtime.cluster_spec import ClusterSpec
 from cluster.runtime.spec_cluster import ColocatedWorker, SpecCluster
 from cluster.serve.requests import RequestBuilder, RequestOptions, SpeculationOptions, StructuredOutput
-from speculators.heads.checkpoint import save_eagle3, save_medusa
+from speculators.heads.checkpoint import save_dflash, save_eagle3, save_medusa
 from speculators.lookahead import LookaheadConfig
 from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module-scoped fixture)
 from tests.cluster.runtime.cluster_requests import UNPLANNED
@@ -34,9 +34,10 @@ def expected(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def head_folders(tiny_heads, tmp_path_factory):
+def head_folders(tiny_heads, tiny_dflash, tmp_path_factory):
     eagle, medusa, _, _ = tiny_heads
     folder = tmp_path_factory.mktemp("heads")
+    save_dflash(tiny_dflash[0], folder / "parallel", "tiny", 4, dtype=torch.float32)
     save_eagle3(eagle, folder / "eagle3", "tiny", ["LlamaForCausalLM"], dtype=torch.float32)
     save_medusa(medusa, folder / "medusa", "tiny", [[0], [1], [0, 0], [0, 1], [0, 0, 0]], dtype=torch.float32)
     return folder
@@ -52,17 +53,18 @@ def run_cluster(spec: ClusterSpec, prefix: str):
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("method,width", [("eagle3", 2), ("medusa", 1)], ids=["eagle3-tree", "medusa"])
+@pytest.mark.parametrize("method,width", [("eagle3", 2), ("medusa", 1), ("parallel", 1)],
+                         ids=["eagle3-tree", "medusa", "parallel"])
 def test_a_head_in_a_draft_actor_beside_a_tp2_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method, width):
     engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method=method, draft=str(head_folders / method),
                           draft_width=width, max_sequences=4, max_len=256, **UNPLANNED)
     outputs, _, layers = run_cluster(ClusterSpec(engine=engine, tensor_parallel_size=2, num_draft_actors=1), method)
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.stats.accepted for o in outputs) > 0
-    assert layers == ((1, 2, 3) if method == "eagle3" else (4,))
+    assert layers == ((4,) if method == "medusa" else (1, 2, 3))
 
 
-@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "parallel"])
 def test_a_head_colocated_with_its_target(ray_four_gpus, tiny_model_dir, head_folders, expected, method):
     engine = EngineConfig(model=str(tiny_model_dir), dtype="float32", method=method, draft=str(head_folders / method),
                           max_sequences=4, max_len=256, **UNPLANNED)
