@@ -139,8 +139,6 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         raise ValueError(f"none of the {len(examples)} recorded answers is held out (one prompt in twenty is): "
                          "record more prompts; the card reports held-out figures")
     responses = [e.tokens[e.prompt_length:] for e in train_set]
-    if kind == "dflash":  # scored by the target's own LM head
-        draft_vocab = target_config.vocab_size
     vocabulary = frequent_tokens(responses, draft_vocab, target_config.vocab_size)
     embedding = load_tensors(model, ["model.embed_tokens.weight", "lm_head.weight"], device=config.device)
     lm_head = embedding.get("lm_head.weight", embedding["model.embed_tokens.weight"])
@@ -153,7 +151,8 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         module.share_target(embedding["model.embed_tokens.weight"])
     elif kind == "dflash":
         mask = mask_token_id if mask_token_id is not None else mask_token(load_tokenizer(model))
-        module = new_drafter(target_config.hf_config, tuple(layer - 1 for layer in layers), draft_layers, block_size, mask)
+        module = new_drafter(target_config.hf_config, tuple(layer - 1 for layer in layers), draft_layers, block_size, mask,
+                             vocabulary, lm_head[vocabulary])
         module.share_target(embedding["model.embed_tokens.weight"], lm_head)
     else:
         module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
@@ -200,7 +199,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-rows", type=int, default=2048, help="tokens per training step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192,
-                        help="the head's vocabulary: the target's most frequent output tokens")
+                        help="the head's vocabulary (eagle3, dflash: scored by an LM head of its own): the target's "
+                        "most frequent output tokens")
     parser.add_argument("--ttt-steps", type=int, default=3,
                         help="eagle3: drafting steps unrolled in training (training-time test)")
     parser.add_argument("--medusa-heads", type=int, default=4)

@@ -5,8 +5,7 @@ Random weights are enough: losslessness must hold whatever a head proposes. Both
 the target's 12 tokens, so the distributions of their sampled drafts give the other 3 nothing,
 which verification must handle. They carry their own embedding and LM heads, so they need none of
 the target's tensors (the in-process target runs in float64, the heads in the engine's dtype). The
-DFlash drafter has no vocabulary of its own: it embeds and scores with the target's tensors, over
-all 12 tokens.
+DFlash drafter embeds its block with the target's embedding and scores its own 9 tokens.
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def write_dflash(target: LlamaConfig, path: Path) -> Path:
                         num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
                         num_key_value_heads=target.num_key_value_heads, rms_norm_eps=target.rms_norm_eps)
     drafter = DFlashDrafter(layer, (0, target.num_hidden_layers - 1), 4, target.vocab_size - 1,
-                            tree_choices=MEDUSA_CHOICES)
-    _randomised(drafter, target.vocab_size)
+                            tree_choices=MEDUSA_CHOICES, draft_vocab_size=DRAFT_VOCAB)
+    drafter.set_vocabulary(_randomised(drafter, target.vocab_size))
     save_dflash(drafter, path, str(path), target.num_hidden_layers, dtype=torch.float64)
     return path

@@ -12,7 +12,8 @@ Read (the layout is recognised from config.json and the tensor names):
   target's LM head scores its output.
 - `dflash`, z-lab's DFlash block drafters (what vLLM and SGLang load; see speculators/heads/dflash.py):
   a Qwen3-style config with `dflash_config: {mask_token_id, target_layer_ids}`, `block_size`,
-  `num_target_layers`; tensors `fc.weight`, `hidden_norm.weight`, `layers.{i}.*`, `norm.weight`.
+  `num_target_layers`; tensors `fc.weight`, `hidden_norm.weight`, `layers.{i}.*`, `norm.weight`; and
+  this project's extension, a draft vocabulary (`draft_vocab_size`, `lm_head.weight`, `d2t`).
   DFlash-2 drafters (candidate selector, dynamic convolutions) and sliding-window or causal blocks
   are refused by name.
 - `medusa`, vLLM's format: `model_type: "medusa"`, `blocks.{k}.layers.{j}.*`, `lm_heads.{k}.weight`
@@ -207,7 +208,8 @@ def _dflash(path: Path, config: dict, tensors) -> HeadCheckpoint:
     drafter = DFlashDrafter(Qwen3Config(**values), layer_ids, int(_dflash_value(config, "block_size", 16)), int(mask_token),
                             tensors["fc.weight"].shape[1] // len(layer_ids),
                             float(_dflash_value(config, "output_multiplier", 1.0)),
-                            _dflash_value(config, "final_logit_softcapping"), config.get("tree_choices"))
+                            _dflash_value(config, "final_logit_softcapping"), config.get("tree_choices"),
+                            config.get("draft_vocab_size"))
     _load(drafter, tensors, "DFlash")
     return HeadCheckpoint("dflash", drafter, _verifier(config), speculative_tokens=drafter.block_size - 1,
                           extra={"num_target_layers": config.get("num_target_layers", 0)})
@@ -319,8 +321,9 @@ def save_dflash(drafter: DFlashDrafter, path: str | Path, verifier: str, num_tar
         "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)},
         "verifier": verifier,
         **({"tree_choices": drafter.tree_choices} if drafter.tree_choices else {}),
+        **({"draft_vocab_size": drafter.draft_vocab_size} if drafter.draft_vocab_size else {}),
     }
-    _save(drafter.state_dict(), config, Path(path), dtype)
+    _save(drafter.own_state(), config, Path(path), dtype)
 
 
 def save_head(checkpoint: HeadCheckpoint, path: str | Path, verifier_architectures: list[str] = ("LlamaForCausalLM",),

@@ -16,6 +16,14 @@ The layout is z-lab's published one (which vLLM and SGLang serve): a Qwen3-style
 `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
 `layers.{i}.self_attn.{q,k}_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`.
 The drafter owns no embedding and no LM head: it uses the target's (`share_target`).
+
+One extension of that layout, for targets whose LM head costs as much to read as a good part of
+the target (on a CPU, where a pass is memory-bound: SmolLM2-135M's 49,152 x 576 head is a fifth of
+its weights): a drafter may score only a draft vocabulary of the target's most frequent output
+tokens (FR-Spec, as EAGLE-3 heads do) with an LM head of its own, `lm_head.weight` [Vd, H] and
+`d2t` (target id = draft id + d2t[draft id]) beside `draft_vocab_size` in the config. Verification
+stays over the whole vocabulary, so output is unchanged; a token outside the draft vocabulary is
+never drafted.
 """
 from __future__ import annotations
 
@@ -75,14 +83,14 @@ class BlockLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     embed_tokens = None
     """Never its own: the target's embedding embeds the block."""
-    needs_target_lm_head = True
 
     def __init__(self, config: Qwen3Config, target_layer_ids: Sequence[int], block_size: int, mask_token_id: int,
                  target_hidden_size: int | None = None, output_multiplier: float = 1.0, logit_softcap: float | None = None,
-                 tree_choices: list[list[int]] | None = None):
+                 tree_choices: list[list[int]] | None = None, draft_vocab_size: int | None = None):
         """`config`: the drafter's layers (Qwen3-style) with the target's vocabulary; `target_layer_ids`:
         the target layers whose outputs it reads; `tree_choices`: the static tree it drafts (rank
-        paths, as Medusa's), chosen at training time; None: a chain."""
+        paths, as Medusa's), chosen at training time; None: a chain. `draft_vocab_size`: an LM head
+        of its own over that many tokens (set with `set_vocabulary`); None: the target's."""
         super().__init__()
         if block_size < 2:
             raise ValueError("a DFlash block holds the last committed token and at least one mask token: block_size >= 2")
@@ -97,7 +105,27 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(config)
         self._embedding: torch.Tensor | None = None
-        self._lm_head: torch.Tensor | None = None
+        self.draft_vocab_size = draft_vocab_size
+        self.lm_head: nn.Linear | None = None
+        """Its own over the draft vocabulary, or the target's (`share_target`: a module so that the
+        runtime computes it like its own linear layers, a packed copy on a CPU; never saved)."""
+        if draft_vocab_size is not None:
+            self.lm_head = nn.Linear(config.hidden_size, draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+
+    @property
+    def needs_target_lm_head(self) -> bool:
+        return self.draft_vocab_size is None
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target token id of each row of its logits."""
+        ids = torch.arange(self.draft_vocab_size or self.config.vocab_size, device=self.fc.weight.device)
+        return ids if self.draft_vocab_size is None else ids + self.d2t
+
+    def set_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """The draft vocabulary: target ids in draft order."""
+        self.d2t.copy_(target_ids.to(self.d2t.device) - torch.arange(len(target_ids), device=self.d2t.device))
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -105,15 +133,19 @@ class DFlashDrafter(nn.Module):
         return tuple(layer + 1 for layer in self.target_layer_ids)
 
     def share_target(self, embedding: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
-        """Use the target's embedding and LM head without copying them."""
+        """Use the target's embedding (and LM head, without a draft vocabulary), not copied where the dtypes agree."""
+        self._embedding = embedding
+        if not self.needs_target_lm_head:
+            return
         if lm_head is None:
-            raise ValueError("a DFlash drafter scores tokens with the target's LM head: pass it")
-        self._embedding, self._lm_head = embedding, lm_head
+            raise ValueError("a DFlash drafter without a draft vocabulary scores tokens with the target's LM head: pass it")
+        self.lm_head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(lm_head.to(self.fc.weight.dtype), requires_grad=False)
 
-    def _target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._embedding is None:
-            raise RuntimeError("a DFlash drafter uses the target's embedding and LM head: call share_target first")
-        return self._embedding, self._lm_head
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: every tensor but the target's LM head."""
+        shared = self.needs_target_lm_head
+        return {name: t for name, t in self.state_dict().items() if not (shared and name.startswith("lm_head."))}
 
     # ---- the computation, in pieces that serving and training assemble ------------------------
 
@@ -132,7 +164,9 @@ class DFlashDrafter(nn.Module):
 
     def run_block(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Outputs [m, H] (before the final norm) of block rows `tokens` at `positions`."""
-        embedding, _ = self._target()
+        embedding = self._embedding
+        if embedding is None:
+            raise RuntimeError("a DFlash drafter uses the target's embedding and LM head: call share_target first")
         with torch.autocast(embedding.device.type, enabled=False):  # a lookup: never cast the whole table
             x = nn.functional.embedding(tokens, embedding)
         x = x.to(self.fc.weight.dtype)
@@ -147,11 +181,8 @@ class DFlashDrafter(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target-vocabulary logits [n, V] of block outputs."""
-        _, lm_head = self._target()
-        hidden = self.norm(hidden)
-        # `to` copies only where the target runs in another dtype than its drafter (a float64 test target)
-        logits = nn.functional.linear(hidden, lm_head.to(hidden.dtype)) * self.output_multiplier
+        """Logits [n, V] of block outputs over its vocabulary (`draft_to_target` maps them)."""
+        logits = self.lm_head(self.norm(hidden)) * self.output_multiplier
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -67,7 +67,7 @@ class ParallelProposer(Proposer):
             raise ValueError(f"the tree is {self.tree.depth} deep but a block of {drafter.block_size} drafts {depth}")
         self.hidden_layers = drafter.hidden_layers
         self.hidden_dtype = drafter.fc.weight.dtype
-        self._token_map = torch.arange(drafter.config.vocab_size, device=drafter.fc.weight.device)
+        self._token_map = drafter.draft_to_target
         self._contexts: dict[str, _Context] = {}
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -110,7 +110,8 @@ class ParallelProposer(Proposer):
         ready = [r for r in requests if r.num_speculative_tokens > 0 and r.max_nodes > 0
                  and self._contexts[r.request_id].keys and self._contexts[r.request_id].end == len(r.token_ids) - 1]
         logits = dict(zip([r.request_id for r in ready], self._draft(ready))) if ready else {}
-        return [fill(self.tree, r, logits[r.request_id], self._token_map, len(self._token_map)) if r.request_id in logits
+        vocab = self.drafter.config.vocab_size
+        return [fill(self.tree, r, logits[r.request_id], self._token_map, vocab) if r.request_id in logits
                 else DraftTree.root_only(r.token_ids[-1]) for r in requests]
 
     @torch.inference_mode()

@@ -4,9 +4,10 @@ A training block sits at an anchor p, a position of a packed sequence whose next
 the response: its rows are token p and `block_size - 1` mask tokens at positions p .. p + B - 1.
 They attend the context rows of their own sequence at positions < p (what serving holds when p is
 the root) and every row of their own block; block row k predicts token p + k, the target's own
-greedy answer. Each step samples up to `anchors` such positions of the batch at random (seeded),
-as DFlash trains, and runs all their blocks in one pass under one mask. Depth k's loss is weighted
-by exp(-(k - 1) / (B / 2)): the early depths decide how much of a block is accepted.
+greedy answer (a label outside the draft vocabulary, where the drafter has one, counts as a miss).
+Each step samples up to `anchors` such positions of the batch at random (seeded), as DFlash
+trains, and runs all their blocks in one pass under one mask. Depth k's loss is weighted by
+exp(-(k - 1) / (B / 2)): the early depths decide how much of a block is accepted.
 
 The held-out figures are those of Medusa heads (speculators/train/ranks.py): top-1 per depth, the
 accepted tokens per pass of a chain, and the rank rates the drafter's static tree is chosen from.
@@ -28,9 +29,11 @@ ANCHORS = 128
 
 
 def new_drafter(target: LlamaConfig, layer_ids: tuple[int, ...], num_layers: int, block_size: int,
-                mask_token_id: int) -> DFlashDrafter:
+                mask_token_id: int, vocabulary: torch.Tensor | None = None,
+                lm_head_rows: torch.Tensor | None = None) -> DFlashDrafter:
     """A fresh drafter of `num_layers` layers of the target's shape, reading the outputs of target
-    layers `layer_ids`."""
+    layers `layer_ids`; with a `vocabulary` (target ids), its own LM head over those tokens,
+    started from the target's rows `lm_head_rows`."""
     values = target.to_dict()
     rope = {"rope_parameters": values["rope_parameters"]} if values.get("rope_parameters") else {
         "rope_theta": values.get("rope_theta", 10000.0)}
@@ -41,10 +44,15 @@ def new_drafter(target: LlamaConfig, layer_ids: tuple[int, ...], num_layers: int
                          hidden_act=target.hidden_act, rms_norm_eps=target.rms_norm_eps,
                          max_position_embeddings=target.max_position_embeddings, attention_bias=False,
                          tie_word_embeddings=False, **rope)
-    drafter = DFlashDrafter(config, layer_ids, block_size, mask_token_id, target.hidden_size)
+    drafter = DFlashDrafter(config, layer_ids, block_size, mask_token_id, target.hidden_size,
+                            draft_vocab_size=None if vocabulary is None else len(vocabulary))
     for module in drafter.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
+    if vocabulary is not None:
+        drafter.set_vocabulary(vocabulary)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(lm_head_rows)
     return drafter
 
 
@@ -54,6 +62,8 @@ class DFlashObjective(DepthRanks):
         self.steps = drafter.block_size - 1
         self.weights = torch.tensor([math.exp(-k / (drafter.block_size / 2)) for k in range(self.steps)])
         self.generator = torch.Generator().manual_seed(seed)
+        self.to_draft = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+        self.to_draft[drafter.draft_to_target.cpu()] = torch.arange(len(drafter.draft_to_target))
 
     def blocks(self, batch: Packed, anchors: torch.Tensor) -> torch.Tensor:
         """Outputs [len(anchors), block_size, H] of the blocks rooted at rows `anchors` of `batch`."""
@@ -86,13 +96,14 @@ class DFlashObjective(DepthRanks):
         losses, sums = [], {}
         right = torch.zeros(count, self.steps, dtype=torch.bool, device=anchors.device)
         full = torch.ones(count, dtype=torch.bool, device=anchors.device)
+        self.to_draft = self.to_draft.to(hidden.device)
         for k in range(1, size):
-            labels, labelled = batch.token(k)[anchors], batch.response_label(k)[anchors]
-            rows = labelled.nonzero().squeeze(1)
+            labels, labelled = self.to_draft[batch.token(k)[anchors]], batch.response_label(k)[anchors]
+            rows = (labelled & (labels >= 0)).nonzero().squeeze(1)  # labels the draft vocabulary holds
             logits = drafter.logits(hidden[rows, k]).float()
             losses.append(F.cross_entropy(logits, labels[rows]) if len(rows) else logits.sum() * 0)
             ranks = self.ranks(logits.detach(), labels[rows])
-            self.add_ranks(sums, k - 1, ranks, len(rows))
+            self.add_ranks(sums, k - 1, ranks, int(labelled.sum()))
             right[rows, k - 1] = ranks == 0
             full &= labelled
         weights = self.weights.to(hidden.device)

@@ -62,22 +62,28 @@ def dflash_config(vocab: int = VOCAB, layers: int = 2) -> Qwen3Config:
                        tie_word_embeddings=False)
 
 
-def random_dflash(seed: int = 4, block_size: int = DFLASH_BLOCK, vocab: int = VOCAB, scale: float = 0.3) -> DFlashDrafter:
-    """A drafter reading the outputs of the tiny target's layers AUX - 1 (hidden states AUX)."""
+def random_dflash(seed: int = 4, block_size: int = DFLASH_BLOCK, vocab: int = VOCAB, scale: float = 0.3,
+                  draft_vocab: int | None = None) -> DFlashDrafter:
+    """A drafter reading the outputs of the tiny target's layers AUX - 1 (hidden states AUX); with
+    `draft_vocab`, an LM head of its own over that many random tokens."""
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(dflash_config(vocab), [layer - 1 for layer in AUX], block_size, DFLASH_MASK)
+    drafter = DFlashDrafter(dflash_config(vocab), [layer - 1 for layer in AUX], block_size, DFLASH_MASK,
+                            draft_vocab_size=draft_vocab)
     for parameter in drafter.parameters():
         parameter.data.normal_(0, scale)
+    if draft_vocab:
+        drafter.set_vocabulary(torch.randperm(vocab)[:draft_vocab])
     return drafter.double()
 
 
 def dflash_public_layout(drafter: DFlashDrafter, folder: Path) -> Path:
     """z-lab's layout as its published checkpoints have it: the block size at the top level, the
     layer ids and mask token under dflash_config, an auto_map this project does not run."""
-    config = {**drafter.config.to_dict(), "architectures": ["DFlashDraftModel"], "block_size": drafter.block_size,
+    extension = {"draft_vocab_size": drafter.draft_vocab_size} if drafter.draft_vocab_size else {}
+    config = {**drafter.config.to_dict(), **extension, "architectures": ["DFlashDraftModel"], "block_size": drafter.block_size,
               "num_target_layers": LAYERS, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
               "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}}
-    return write(folder, config, drafter.state_dict())
+    return write(folder, config, drafter.own_state())
 
 
 def write(folder: Path, config: dict, tensors: dict[str, torch.Tensor], file: str = "model.safetensors") -> Path:

@@ -20,6 +20,7 @@ from speculators.hidden import TargetHidden
 from speculators.proposers.base import DraftRequest
 from speculators.proposers.eagle import EagleProposer
 from speculators.proposers.parallel import ParallelProposer
+from speculators.sampling import SamplingParams
 from speculators.train.dataset import Example
 from speculators.train.dflash import DFlashObjective
 from speculators.train.eagle3 import Eagle3Objective
@@ -227,8 +228,28 @@ def test_dflash_in_the_public_layout_loads_and_round_trips(tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == LAYERS
     assert config["dflash_config"] == {"mask_token_id": drafter.mask_token_id, "target_layer_ids": [0, 1, 2]}
     assert again.module.tree_choices == [[0], [1], [0, 0], [0, 0, 0]]
-    share_random_target(again.module)
-    assert torch.equal(dflash_outputs(again.module.double()), dflash_outputs(drafter))
+    share_random_target(again.module.double())
+    assert torch.equal(dflash_outputs(again.module), dflash_outputs(drafter))
+
+
+def test_a_dflash_drafter_with_a_draft_vocabulary_drafts_only_its_tokens(tmp_path):
+    """This project's extension of the layout: an LM head of its own over a few target tokens."""
+    drafter = random_dflash(draft_vocab=12)
+    share_random_target(drafter)
+    save_head(load_head(dflash_public_layout(drafter, tmp_path / "public")), tmp_path / "ours", dtype=torch.float64)
+    loaded = load_head(tmp_path / "ours").module.double()
+    assert loaded.draft_vocab_size == 12 and torch.equal(loaded.draft_to_target, drafter.draft_to_target)
+    share_random_target(loaded)
+    assert torch.equal(dflash_outputs(loaded), dflash_outputs(drafter))
+    tokens = torch.randint(VOCAB, (10,)).tolist()
+    request = DraftRequest("r", tokens, 3, 16, sampling=SamplingParams(0.9, seed=1, rule="rejection"),
+                           hidden=TargetHidden(0, torch.randn(9, len(AUX) * HIDDEN, dtype=torch.float64)))
+    tree = ParallelProposer(loaded).propose([request])[0]
+    allowed = set(drafter.draft_to_target.tolist())
+    assert tree.num_drafted == 3 and set(tree.token_ids[1:]) <= allowed
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[drafter.draft_to_target] = False
+    assert tree.draft_probs[1:, outside].sum() == 0
 
 
 @pytest.mark.parametrize("change,message", [
@@ -242,7 +263,7 @@ def test_dflash_variants_this_project_does_not_run_are_refused_by_name(tmp_path,
     drafter = random_dflash()
     folder = dflash_public_layout(drafter, tmp_path)
     config = {**json.loads((folder / "config.json").read_text()), **change}
-    tensors = {**drafter.state_dict(), **config.pop("tensors", {})}
+    tensors = {**drafter.own_state(), **config.pop("tensors", {})}
     (folder / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
     with pytest.raises(ValueError, match=message):
