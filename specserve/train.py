@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from actors.model.loader import DEFAULT_MODEL, cache_root, load_config, load_model, load_tensors, load_tokenizer, resolve_model
-from actors.model.precision import resolve_dtype
+from actors.model.precision import cpu_has_bfloat16, resolve_dtype
 from cluster.engine.build import encode_prompt, local_engine, recording_decoder
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.request import GenerationRequest
@@ -213,7 +213,9 @@ def add_arguments(parser) -> None:
                         help="dflash: the token of masked rows (default: the tokenizer's mask token, else its last "
                         "spare added token)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-autocast", action="store_true", help="train in float32 instead of bfloat16 products")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="train in float32 instead of bfloat16 products (always so on a CPU without native "
+                        "bfloat16, where emulated bfloat16 products are about ten times slower)")
     parser.add_argument("--verifier-name", default=None,
                         help="the target's name written into the head's config (default: --model)")
 
@@ -225,7 +227,7 @@ def run(args) -> int:
         generate_data(args.model, folder / "data", args.prompts, args.max_new_tokens, args.max_sequences,
                       device=args.device, self_prompts=args.self_prompts, dtype=args.dtype)
     config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
-                         autocast=not args.no_autocast)
+                         autocast=not args.no_autocast and (torch.device(args.device).type != "cpu" or cpu_has_bfloat16()))
     card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,
                       args.tree_size, args.verifier_name, args.block_size, args.draft_layers, args.mask_token_id)
     card["command"] = shlex.join(["specserve", *sys.argv[1:]])  # as typed

@@ -60,7 +60,7 @@ def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path
     assert main(["train", "medusa", *common, "--prompts", "41", "--self-prompts", "3", "--max-new-tokens", "6",
                  "--batch-rows", "512"]) == 0
     card = json.loads((out / "card.json").read_text())
-    assert card["kind"] == "medusa" and card["steps"] >= 1 and len(card["medusa_choices"]) == 4
+    assert card["kind"] == "medusa" and card["steps"] >= 1 and len(card["tree_choices"]) == 4
     assert card["training_answers"] + card["held_out_answers"] == 44 and card["held_out_answers"] >= 1
     assert card["self_written_answers"] == 3
     assert "held-out" in (out / "README.md").read_text()
@@ -74,3 +74,13 @@ def test_train_writes_a_servable_head_and_its_card(tiny_chat_model_dir, tmp_path
     outputs = [e.generate([GenerationRequest("x", ids, max_new_tokens=12, speculate=e is engine, lookahead=fixed)])[0]
                for e in (engine, plain)]
     assert outputs[0].token_ids == outputs[1].token_ids and outputs[0].stats.drafted > 0
+    block = tmp_path / "block"  # a DFlash drafter from the same recorded answers
+    assert main(["train", "dflash", *common[:4], "--out", str(block), "--epochs", "1", "--draft-vocab", "256",
+                 "--tree-size", "4", "--block-size", "4", "--draft-layers", "1", "--no-generate"]) == 0
+    card = json.loads((block / "card.json").read_text())
+    assert card["kind"] == "dflash" and card["block_size"] == 4 and card["mask_token_id"] == 16  # <empty_output>
+    assert json.loads((block / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    parallel, _ = build_engine(EngineConfig(model=model, method="parallel", draft=str(block), max_sequences=1,
+                                            max_len=256, step_token_budget=8))
+    output = parallel.generate([GenerationRequest("y", ids, max_new_tokens=12, lookahead=fixed)])[0]
+    assert output.token_ids == outputs[1].token_ids and output.stats.drafted > 0
