@@ -32,7 +32,7 @@ from speculators.heads.checkpoint import default_aux_layers, save_dflash, save_e
 from speculators.sampling import SamplingParams
 from speculators.train.dataset import FeatureStore
 from speculators.train.dataset import work_folder as train_folder
-from speculators.train.dflash import new_drafter
+from speculators.train.dflash import ANCHORS, new_drafter
 from speculators.train.eagle3 import new_head
 from speculators.train.loop import TrainConfig, train
 from speculators.train.medusa import new_heads
@@ -124,7 +124,8 @@ def mask_token(tokenizer) -> int:
 
 def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConfig, draft_vocab: int = 8192,
                ttt_steps: int = 3, medusa_heads: int = 4, tree_size: int = 24, verifier: str | None = None,
-               block_size: int = 8, draft_layers: int = 2, mask_token_id: int | None = None, log=print) -> dict:
+               block_size: int = 8, draft_layers: int = 2, mask_token_id: int | None = None, anchors: int = ANCHORS,
+               log=print) -> dict:
     """Train an `eagle3` or `medusa` head or a `dflash` block drafter on the data in `folder` and
     write it to `out`.
 
@@ -156,7 +157,7 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         module.share_target(embedding["model.embed_tokens.weight"], lm_head)
     else:
         module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
-    objective = head_objective(kind, module, ttt_steps)
+    objective = head_objective(kind, module, ttt_steps, anchors)
     held = train(module, objective, train_set, held_out, config, folder / "runs" / kind, log)
     figures = objective.summary(held)
     verifier = verifier or str(model)
@@ -209,6 +210,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, default=8,
                         help="dflash: rows of a block, the last committed token and block_size - 1 drafted ones")
     parser.add_argument("--draft-layers", type=int, default=2, help="dflash: the drafter's layers")
+    parser.add_argument("--anchors", type=int, default=ANCHORS,
+                        help="dflash: blocks per training step (each a random response position of the batch)")
     parser.add_argument("--mask-token-id", type=int, default=None,
                         help="dflash: the token of masked rows (default: the tokenizer's mask token, else its last "
                         "spare added token)")
@@ -229,7 +232,8 @@ def run(args) -> int:
     config = TrainConfig(epochs=args.epochs, batch_rows=args.batch_rows, lr=args.lr, device=args.device,
                          autocast=not args.no_autocast and (torch.device(args.device).type != "cpu" or cpu_has_bfloat16()))
     card = train_head(args.kind, args.model, folder, out, config, args.draft_vocab, args.ttt_steps, args.medusa_heads,
-                      args.tree_size, args.verifier_name, args.block_size, args.draft_layers, args.mask_token_id)
+                      args.tree_size, args.verifier_name, args.block_size, args.draft_layers, args.mask_token_id,
+                      args.anchors)
     card["command"] = shlex.join(["specserve", *sys.argv[1:]])  # as typed
     write_card(out, card)
     print(f"wrote {out}")

@@ -66,23 +66,33 @@ class DFlashObjective(DepthRanks):
         self.to_draft[drafter.draft_to_target.cpu()] = torch.arange(len(drafter.draft_to_target))
 
     def blocks(self, batch: Packed, anchors: torch.Tensor) -> torch.Tensor:
-        """Outputs [len(anchors), block_size, H] of the blocks rooted at rows `anchors` of `batch`."""
+        """Outputs [len(anchors), block_size, H] of the blocks rooted at rows `anchors` (ascending) of `batch`.
+
+        Attention is computed per sequence, and within a block only between its own rows: a mask
+        over the whole batch's rows and blocks would cost (blocks x size)^2 for the few
+        size x size squares it keeps."""
         drafter, size = self.drafter, self.drafter.block_size
-        count = len(anchors)
         context = drafter.context(batch.hidden, batch.local)
-        seq, pos = batch.sequence[anchors], batch.local[anchors]
-        sees_context = (seq[:, None] == batch.sequence[None, :]) & (batch.local[None, :] < pos[:, None])
-        block = torch.arange(count * size, device=anchors.device) // size
-        mask = torch.cat([sees_context.repeat_interleave(size, 0), block[:, None] == block[None, :]], dim=1)
+        pos = batch.local[anchors]
+        groups = []  # (block rows, context rows, which context rows each block row sees) per sequence
+        sequences, counts = torch.unique_consecutive(batch.sequence[anchors], return_counts=True)
+        starts = torch.searchsorted(batch.sequence, sequences)
+        ends = torch.searchsorted(batch.sequence, sequences, right=True)
+        first = 0
+        for start, end, count in zip(starts.tolist(), ends.tolist(), counts.tolist()):
+            sees = batch.local[None, start:end] < pos[first:first + count, None]
+            groups.append((slice(first * size, (first + count) * size), slice(start, end), sees.repeat_interleave(size, 0)))
+            first += count
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = context[layer]
-            return F.scaled_dot_product_attention(q, torch.cat([keys, k], 2), torch.cat([values, v], 2),
-                                                  attn_mask=mask[None, None], enable_gqa=q.shape[1] != keys.shape[1])
+            return torch.cat([_block_attention(q[:, :, block], keys[:, :, rows], values[:, :, rows], sees,
+                                               k[:, :, block], v[:, :, block], size)
+                              for block, rows, sees in groups], dim=2)
 
         positions = (pos[:, None] + torch.arange(size, device=pos.device)).flatten()
         hidden = drafter.run_block(drafter.block_tokens(batch.token(0)[anchors]), positions, attention)
-        return hidden.view(count, size, -1)
+        return hidden.view(len(anchors), size, -1)
 
     def __call__(self, batch: Packed) -> tuple[torch.Tensor, dict[str, float]]:
         drafter, size = self.drafter, self.drafter.block_size
@@ -111,3 +121,21 @@ class DFlashObjective(DepthRanks):
         leading = right[full].long().cumprod(1).sum(1)
         sums.update(accepted=float(leading.sum()), chains=float(len(leading)), loss=float(total.detach()), batches=1.0)
         return total, sums
+
+
+def _block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor, sees: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """Attention of block rows q [1, heads, m, d] (m / size blocks) over the context rows they see
+    (`sees` [m, n] of context keys/values [1, kv_heads, n, d]) and the rows of their own block
+    (keys/values [1, kv_heads, m, d]), one softmax over both."""
+    heads, rows, dim = q.shape[1], q.shape[2], q.shape[3]
+    repeat = heads // context_keys.shape[1]
+    context_keys, context_values = context_keys.repeat_interleave(repeat, 1), context_values.repeat_interleave(repeat, 1)
+    keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    scale = dim ** -0.5
+    outer = (q @ context_keys.transpose(-1, -2) * scale).masked_fill(~sees[None, None], float("-inf"))
+    blocks = q.view(1, heads, rows // size, size, dim)
+    inner = blocks @ keys.view(1, heads, rows // size, size, dim).transpose(-1, -2) * scale
+    weights = torch.cat([outer, inner.reshape(1, heads, rows, size)], dim=-1).softmax(-1)
+    own = weights[..., outer.shape[-1]:].reshape(1, heads, rows // size, size, size)
+    return weights[..., :outer.shape[-1]] @ context_values + (own @ values.view(blocks.shape)).reshape(q.shape)

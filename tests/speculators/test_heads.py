@@ -289,3 +289,25 @@ def test_block_drafting_computes_what_training_computes():
                                torch.tensor([committed - 1]))
     trained = drafter.logits(out[0, 1:]).float()
     assert torch.allclose(drafted[0], trained, atol=1e-6)
+
+
+def test_training_blocks_of_many_sequences_each_see_only_their_own_prefix():
+    """Blocks at several anchors of three packed sequences (attention per sequence and per block)
+    give each the logits drafting gives that sequence's prefix alone."""
+    drafter = random_dflash()
+    share_random_target(drafter)
+    generator = torch.Generator().manual_seed(3)
+    examples = [Example(i, torch.randint(VOCAB, (n,), generator=generator),
+                        torch.randn(n - 1, len(AUX) * HIDDEN, generator=generator, dtype=torch.float64), 2, False)
+                for i, n in enumerate((9, 14, 11))]
+    batch = pack(examples, torch.float64)
+    anchors = torch.tensor([1, 5, 8 + 3, 8 + 12, 8 + 13 + 6])  # rows: sequence 0 at 1, 5; 1 at 3, 12; 2 at 6
+    with torch.no_grad():
+        trained = drafter.logits(DFlashObjective(drafter).blocks(batch, anchors)[:, 1:])
+    for index, row in enumerate(anchors.tolist()):
+        example, position = examples[batch.sequence[row]], int(batch.local[row])
+        request = DraftRequest("r", example.tokens[:position + 1].tolist(), drafter.block_size - 1, 16,
+                               hidden=TargetHidden(0, example.hidden[:position]))
+        proposer = ParallelProposer(drafter)
+        proposer._catch_up([request])
+        assert torch.allclose(proposer._draft([request])[0], trained[index].float(), atol=1e-6)
