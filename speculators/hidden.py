@@ -9,8 +9,9 @@ request that is not drafting (speculation off, its gate closed) keeps only its l
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -71,3 +72,58 @@ class PendingHidden:
         pieces = self._pieces.setdefault(request_id, [])
         if not pieces or pieces[0].start == hidden.end:
             pieces.insert(0, hidden)
+
+
+class RowState(Protocol):
+    """A drafter's per-request state of committed rows, positions first .. end - 1."""
+
+    first: int
+
+    @property
+    def end(self) -> int: ...
+
+    def cut(self, end: int) -> None:
+        """Keep positions before `end`."""
+
+
+S = TypeVar("S", bound=RowState)
+
+
+class CommittedRows(Generic[S]):
+    """Per request, the state a drafter keeps of the target rows of committed tokens (an EAGLE
+    head's K/V, a DFlash drafter's context): rolled back past a shorter sequence, and started over
+    where new rows do not join it (a drafter restart, a lost call)."""
+
+    def __init__(self, new: Callable[[int], S]):
+        """`new(first)`: an empty state whose rows start at position `first`."""
+        self._new, self._states = new, {}
+
+    def __getitem__(self, request_id: str) -> S:
+        return self._states[request_id]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Rows past the root's parent cannot be valid any more (a shorter sequence)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            state.cut(len(token_ids) - 1)
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def new_rows(self, requests) -> list[tuple[object, S, TargetHidden]]:
+        """(request, its state cut to where its new rows start, the rows) of each DraftRequest that
+        brought rows; every request gets a state."""
+        runs = []
+        for request in requests:
+            state = self._states.setdefault(request.request_id, self._new(0))
+            rows = request.hidden
+            if rows is None or rows.states.shape[0] == 0:
+                continue
+            if not state.first <= rows.start <= state.end:
+                self._states[request.request_id] = state = self._new(rows.start)
+            state.cut(rows.start)
+            runs.append((request, state, rows))
+        return runs

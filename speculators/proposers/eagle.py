@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators.heads.eagle import EagleHead, attend
+from speculators.hidden import CommittedRows
 from speculators.proposers.base import DraftRequest, Proposer
 from speculators.sampling import DraftNoise, mapped_warp, tree_draft_probs
 from speculators.tree import DraftTree
@@ -112,34 +113,23 @@ class EagleProposer(Proposer):
         self._draft_to_target = head.draft_to_target.tolist()
         self._target_index = head.draft_to_target
         self._vocab_size = head.config.vocab_size
-        self._committed: dict[str, _Committed] = {}
+        self._committed: CommittedRows[_Committed] = CommittedRows(lambda first: _Committed(first=first))
 
     # ---- per-request state ---------------------------------------------------------------------
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Committed rows past the root's parent cannot be valid any more (a shorter sequence)."""
-        state = self._committed.get(request_id)
-        if state is not None:
-            state.cut(len(token_ids) - 1)
+        self._committed.on_accept(request_id, token_ids)
 
     def release(self, request_id: str) -> None:
-        self._committed.pop(request_id, None)
+        self._committed.release(request_id)
 
     # ---- catching up on committed tokens --------------------------------------------------------
 
     @torch.inference_mode()
     def _catch_up(self, requests: Sequence[DraftRequest]) -> None:
         """Run the head over each request's new target rows (one batched pass for all requests)."""
-        runs = []
-        for request in requests:
-            state = self._committed.setdefault(request.request_id, _Committed())
-            rows = request.hidden
-            if rows is None or rows.states.shape[0] == 0:
-                continue
-            if not state.first <= rows.start <= state.end:
-                self._committed[request.request_id] = state = _Committed(first=rows.start)
-            state.cut(rows.start)
-            runs.append((state, rows, torch.tensor(request.token_ids[rows.start + 1: rows.end + 1])))
+        runs = [(state, rows, torch.tensor(request.token_ids[rows.start + 1: rows.end + 1]))
+                for request, state, rows in self._committed.new_rows(requests)]
         if not runs:
             return
         dtype = self.hidden_dtype

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from speculators.heads.dflash import DFlashDrafter
+from speculators.hidden import CommittedRows
 from speculators.proposers.base import DraftRequest, Proposer
 from speculators.proposers.static_tree import StaticTree, chain_choices, fill
 from speculators.tree import DraftTree
@@ -68,30 +69,18 @@ class ParallelProposer(Proposer):
         self.hidden_layers = drafter.hidden_layers
         self.hidden_dtype = drafter.fc.weight.dtype
         self._token_map = drafter.draft_to_target
-        self._contexts: dict[str, _Context] = {}
+        self._contexts: CommittedRows[_Context] = CommittedRows(lambda first: _Context(first=first))
 
     def on_accept(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Context rows past the root's parent cannot be valid any more (a shorter sequence)."""
-        context = self._contexts.get(request_id)
-        if context is not None:
-            context.cut(len(token_ids) - 1)
+        self._contexts.on_accept(request_id, token_ids)
 
     def release(self, request_id: str) -> None:
-        self._contexts.pop(request_id, None)
+        self._contexts.release(request_id)
 
     @torch.inference_mode()
     def _catch_up(self, requests: Sequence[DraftRequest]) -> None:
         """Every request's new target rows into its context (one batched projection for all)."""
-        runs = []
-        for request in requests:
-            context = self._contexts.setdefault(request.request_id, _Context())
-            rows = request.hidden
-            if rows is None or rows.states.shape[0] == 0:
-                continue
-            if not context.first <= rows.start <= context.end:
-                self._contexts[request.request_id] = context = _Context(first=rows.start)
-            context.cut(rows.start)
-            runs.append((context, rows))
+        runs = [(context, rows) for _, context, rows in self._contexts.new_rows(requests)]
         if not runs:
             return
         states = torch.cat([rows.states.to(self.hidden_dtype) for _, rows in runs])
