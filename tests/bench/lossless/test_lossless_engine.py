@@ -15,7 +15,7 @@ from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixt
 FAST_CASES = ["pld-tree", "draft-tree", "eagle3-tree", "mixed-batch-draft-tree", "draft-tree-pipelined",
               "suffix-tree-planned", "rest-tree", "lookahead-tree", "draft-tree-penalties", "draft-tree-grammar",
               "pld-tree-grammar-penalties", "keyed-draft-tree", "keyed-rest-tree", "keyed-lookahead-tree", "keyed-eagle3-tree",
-              "parallel-tree", "keyed-parallel-tree",
+              "keyed-parallel-tree",
               "keyed-mixed-batch-draft-tree", "keyed-pld-tree-grammar-penalties"]
 FAST_SAMPLES = 2_000
 

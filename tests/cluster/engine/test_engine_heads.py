@@ -36,7 +36,7 @@ from tests.cluster.engine.test_engine_lossless import (  # noqa: F401  (plain_ou
 from tests.conftest import IdTokenizer, tiny_pair
 from tests.speculators.heads_fixtures import LAYERS, random_dflash, random_eagle1, random_eagle3, random_medusa
 
-KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa", "suffix+eagle3", "parallel", "parallel-tree"]
+KINDS = ["eagle3", "eagle3-tree", "eagle1", "medusa", "suffix+eagle3", "parallel-tree"]
 TRAINED = ("eagle3", "eagle3-tree", "medusa", "suffix+eagle3")
 """Kinds whose tests use heads trained on the tiny target (their drafts get accepted); the EAGLE-1
 head is random (no trainer here) and so is the DFlash drafter here (tests/speculators/test_train.py
