@@ -32,7 +32,7 @@ from speculators.heads.checkpoint import default_aux_layers, save_dflash, save_e
 from speculators.sampling import SamplingParams
 from speculators.train.dataset import FeatureStore
 from speculators.train.dataset import work_folder as train_folder
-from speculators.train.dflash import ANCHORS, new_drafter
+from speculators.train.dflash import ANCHORS, new_drafter, start_from_target
 from speculators.train.eagle3 import new_head
 from speculators.train.loop import TrainConfig, train
 from speculators.train.medusa import new_heads
@@ -155,6 +155,8 @@ def train_head(kind: str, model: str, folder: Path, out: Path, config: TrainConf
         module = new_drafter(target_config.hf_config, tuple(layer - 1 for layer in layers), draft_layers, block_size, mask,
                              vocabulary, lm_head[vocabulary])
         module.share_target(embedding["model.embed_tokens.weight"], lm_head)
+        start_from_target(module, lambda names: load_tensors(model, names, device=config.device), target_config.num_layers,
+                          torch.cat([e.hidden for e in train_set[:16]]))
     else:
         module = new_heads(target_config.hidden_size, target_config.vocab_size, medusa_heads, vocabulary, lm_head[vocabulary])
     objective = head_objective(kind, module, ttt_steps, anchors)

@@ -15,6 +15,7 @@ accepted tokens per pass of a chain, and the rank rates the drafter's static tre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,36 @@ def new_drafter(target: LlamaConfig, layer_ids: tuple[int, ...], num_layers: int
         with torch.no_grad():
             drafter.lm_head.weight.copy_(lm_head_rows)
     return drafter
+
+
+def start_from_target(drafter: DFlashDrafter, read: Callable[[list[str]], dict[str, torch.Tensor]],
+                      num_target_layers: int, features: torch.Tensor) -> None:
+    """Start the drafter's layers as the target's last layers, reading the last target hidden state
+    it is given (`fc` selects it) and ending in the target's final norm; `read(names)` gives the
+    target's tensors by their Hugging Face names, `features` [n, len(ids) x Ht] are recorded context rows.
+
+    Why: random layers behind q/k norms start attending almost uniformly over the whole context and
+    learn to find the recent rows slowly; the target's layers bring its recent-token and copying
+    heads (SmolLM2-135M, 100 steps: held-out loss 5.46 against 6.14, top-1 at depth 1 0.102 against
+    0.086). The q/k norms, which the target's Llama layers lack, start at the typical per-head RMS of
+    the target's own queries and keys over `features`, so attention starts at the target's sharpness."""
+    first, size = num_target_layers - len(drafter.layers), drafter.config.hidden_size
+    names = [f"model.layers.{first + i}.{name}" for i, layer in enumerate(drafter.layers) for name, _ in layer.named_parameters()]
+    weights = read(names + ["model.norm.weight"])
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -size:] = torch.eye(size)
+        drafter.hidden_norm.weight.copy_(weights[f"model.layers.{first}.input_layernorm.weight"])
+        drafter.norm.weight.copy_(weights["model.norm.weight"])
+        context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight)))
+        for index, layer in enumerate(drafter.layers):
+            for name, tensor in layer.named_parameters():
+                if f"model.layers.{first + index}.{name}" in weights:
+                    tensor.copy_(weights[f"model.layers.{first + index}.{name}"])
+            attn = layer.self_attn
+            for projection, norm in ((attn.q_proj, attn.q_norm), (attn.k_proj, attn.k_norm)):
+                heads = projection(context).view(len(context), -1, attn.head_dim)
+                norm.weight.fill_(float(heads.pow(2).mean(-1).sqrt().mean()))
 
 
 class DFlashObjective(DepthRanks):

@@ -22,7 +22,7 @@ from speculators.proposers.eagle import EagleProposer
 from speculators.proposers.parallel import ParallelProposer
 from speculators.sampling import SamplingParams
 from speculators.train.dataset import Example
-from speculators.train.dflash import DFlashObjective
+from speculators.train.dflash import DFlashObjective, start_from_target
 from speculators.train.eagle3 import Eagle3Objective
 from speculators.train.packing import pack
 from tests.speculators.heads_fixtures import (
@@ -311,3 +311,23 @@ def test_training_blocks_of_many_sequences_each_see_only_their_own_prefix():
         proposer = ParallelProposer(drafter)
         proposer._catch_up([request])
         assert torch.allclose(proposer._draft([request])[0], trained[index].float(), atol=1e-6)
+
+
+def test_a_drafter_started_from_the_target_computes_its_last_layers_on_the_last_hidden_state(tiny_model):
+    """`specserve train dflash` starts the drafter's layers as the target's last ones: the context
+    rows' keys are then the first of those layers' own keys of the last recorded hidden state,
+    normed per head at the target's typical scale."""
+    reference = tiny_model[1].float()
+    weights = reference.state_dict()
+    drafter = random_dflash().float()
+    features = torch.randn(12, len(AUX) * HIDDEN)
+    start_from_target(drafter, lambda names: {name: weights[name] for name in names if name in weights}, LAYERS, features)
+    target = reference.model.layers[LAYERS - len(drafter.layers)]
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, target.mlp.down_proj.weight)
+    assert torch.equal(drafter.norm.weight, reference.model.norm.weight)
+    attn = drafter.layers[0].self_attn
+    keys = target.self_attn.k_proj(target.input_layernorm(features[:, -HIDDEN:])).view(12, attn.num_kv_heads, attn.head_dim)
+    rms = keys.pow(2).mean(-1, keepdim=True).sqrt()
+    assert attn.k_norm.weight.allclose(rms.mean().expand(attn.head_dim), rtol=1e-5)
+    context_keys, _ = drafter.context(features, torch.zeros(12, dtype=torch.long))[0]  # position 0: no rotation
+    torch.testing.assert_close(context_keys[0].transpose(0, 1), keys / rms * rms.mean(), rtol=1e-4, atol=1e-4)
