@@ -19,9 +19,9 @@ from tests.speculators.heads_fixtures import HIDDEN, medusa_public_layout, rando
 
 
 def test_the_default_targets_trained_heads_are_committed():
-    assert {"eagle3:smollm2-135m", "medusa:smollm2-135m"} <= set(trained_heads())
-    for name in ("eagle3-smollm2-135m", "medusa-smollm2-135m"):
-        assert load_head(TRAINED_HEADS / name).kind == name.split("-")[0]
+    assert {"eagle3:smollm2-135m", "medusa:smollm2-135m", "parallel:smollm2-135m"} <= set(trained_heads())
+    for name, kind in (("eagle3-smollm2-135m", "eagle3"), ("medusa-smollm2-135m", "medusa"), ("parallel-smollm2-135m", "dflash")):
+        assert load_head(TRAINED_HEADS / name).kind == kind
         assert (TRAINED_HEADS / name / "card.json").exists()
 
 
