@@ -79,8 +79,9 @@ def start_from_target(drafter: DFlashDrafter, read: Callable[[list[str]], dict[s
         context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight)))
         for index, layer in enumerate(drafter.layers):
             for name, tensor in layer.named_parameters():
-                if f"model.layers.{first + index}.{name}" in weights:
-                    tensor.copy_(weights[f"model.layers.{first + index}.{name}"])
+                source = weights.get(f"model.layers.{first + index}.{name}")
+                if source is not None:
+                    tensor.copy_(source)
             attn = layer.self_attn
             for projection, norm in ((attn.q_proj, attn.q_norm), (attn.k_proj, attn.k_norm)):
                 heads = projection(context).view(len(context), -1, attn.head_dim)

@@ -317,10 +317,10 @@ def test_a_drafter_started_from_the_target_computes_its_last_layers_on_the_last_
     """`specserve train dflash` starts the drafter's layers as the target's last ones: the context
     rows' keys are then the first of those layers' own keys of the last recorded hidden state,
     normed per head at the target's typical scale."""
-    reference = tiny_model[1].float()
+    reference = tiny_model[1]  # the session's float64 reference: read, never converted in place
     weights = reference.state_dict()
-    drafter = random_dflash().float()
-    features = torch.randn(12, len(AUX) * HIDDEN)
+    drafter = random_dflash()
+    features = torch.randn(12, len(AUX) * HIDDEN, dtype=torch.float64)
     start_from_target(drafter, lambda names: {name: weights[name] for name in names if name in weights}, LAYERS, features)
     target = reference.model.layers[LAYERS - len(drafter.layers)]
     assert torch.equal(drafter.layers[0].mlp.down_proj.weight, target.mlp.down_proj.weight)
