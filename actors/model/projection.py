@@ -1,5 +1,10 @@
 """x @ W.T for the decoder's projections, the fastest way for the device that keeps a row's bits its own.
 
+In float32 on a CPU the few rows of a decoding or verification pass take our kernel
+(kernels/linear.cpp): it reads the weights at memory speed from one row up, where torch's products
+took 1.5-2x that on a CPU without AVX-512 (AMD Zen), and it sums every row the same way at any row
+count, so those rows' bits are their own. Larger calls (prompts) take oneDNN, faster there.
+
 Speculative greedy output equals plain decoding's only if a row's product does not depend on the
 other rows of its pass (docs/lossless.md). In half precision on a CPU oneDNN gives a row the same
 bits in calls of 1 to 128 rows; past that it depends on the call's row count, the weight's shape
@@ -17,8 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from actors.model import kernels
+
+OWN_KERNEL_ROWS = 64
+"""Up to this many rows a float32 CPU product takes our kernel. Whole 30-layer products of the default
+target on 2 Zen cores, ours against `project`'s torch path (docs/benchmarks.md, "float32 products
+of our own"): 1 row 29 against 56 ms, 4 rows 43 / 62, 16 rows 85 / 106, 32 rows 137 / 160, 64
+rows ~300 / ~310; 128 rows level, 256 rows 0.93x, 1,024 rows 0.7x."""
 SMALL_ROWS = 2
-"""Up to this many rows a float32 CPU product runs as `(W @ x.T).T` (see `project`)."""
+"""Up to this many rows a float32 CPU product without our kernel runs as `(W @ x.T).T` (see `project`)."""
 
 
 def _onednn_linear() -> Callable | None:
@@ -119,7 +131,9 @@ class Projection(nn.Linear):
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x [rows, in], the fastest way for the device.
 
-    On a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
+    A product autograd must differentiate (training) takes F.linear: our kernel and oneDNN's packed
+    weight have no backward. float32 on a CPU, up to `OWN_KERNEL_ROWS` rows: our kernel, where it is
+    built. Otherwise, on a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
     oneDNN's linear over a packed copy of the weight (`packed_weight`) in bfloat16 at every row
     count (a large pass in the calls `call_counts` gives) and in float32 past `SMALL_ROWS` rows; up
     to there, `(W @ x.T).T`, which reads float32 weights at memory speed for 2 rows (1 row takes a
@@ -128,9 +142,12 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     on a strided one (a tensor-parallel column slice) it takes a far slower reference path. On CUDA, plain F.linear.
     Figures: docs/benchmarks.md, "Measurements behind the code".
     """
-    if x.device.type != "cpu" or x.dim() != 2:
+    if x.device.type != "cpu" or x.dim() != 2 or _needs_gradient(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
+    if (rows <= OWN_KERNEL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and kernels.available()):
+        return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
         packed = packed_weight(weight)
@@ -145,3 +162,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     # MKL's fast path wants x.T column-major, i.e. x row-major; so is the output, for what follows
     out = (weight @ x.contiguous().t()).t()[:rows].contiguous()
     return out if bias is None else out + bias
+
+
+def _needs_gradient(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -126,7 +126,7 @@ def decoder_fingerprint() -> str:
     """A hash of the code a pass runs (the decoder package and the worker that times it): a curve
     measured before a kernel changed is not read after."""
     digest = hashlib.sha1()
-    for path in sorted(DECODER_CODE.glob("*.py")) + [TIMED_WORKER]:
+    for path in sorted(DECODER_CODE.glob("*.py")) + sorted((DECODER_CODE / "kernels").glob("*.[ch]*")) + [TIMED_WORKER]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from actors.model import projection
+from actors.model import kernels, projection
 from actors.model.fused import stack_in_place, stacked_view
 from actors.model.llama import LlamaDecoder, decoder_from_tensors
 from actors.model.loader import load_tensors
@@ -68,15 +68,19 @@ def test_weights_assigned_after_loading_are_the_ones_used():
     torch.testing.assert_close(after, logits(reference, ids))
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch"])
+@pytest.mark.parametrize("path", ["ours", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype, packed, monkeypatch):
-    """`project` takes a different path by row count and dtype (a packed oneDNN weight, or W @ x.T,
-    or torch's own product where this CPU's oneDNN cannot pack the dtype); every one is the same
-    product, and a weight changed in place is packed again."""
-    if packed and dtype not in projection.ONEDNN_DTYPES:
+def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype, path, monkeypatch):
+    """`project` takes a different path by row count and dtype (our float32 kernel, a packed oneDNN
+    weight, or W @ x.T, or torch's own product where this CPU's oneDNN cannot pack the dtype); every
+    one is the same product, and a weight changed in place is packed again."""
+    if path == "ours" and (dtype != torch.float32 or not kernels.available()):
+        pytest.skip("our kernel computes float32 products only, where it is built")
+    if path == "onednn" and dtype not in projection.ONEDNN_DTYPES:
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
-    if not packed:
+    if path != "ours":
+        monkeypatch.setattr(projection, "OWN_KERNEL_ROWS", 0)
+    if path == "torch":
         monkeypatch.setattr(projection, "ONEDNN_DTYPES", ())
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
@@ -118,6 +122,39 @@ def test_a_bfloat16_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_it
                     assert torch.equal(product[i:i + 1], alone[i]), (name, count, i)
     finally:
         torch.set_num_threads(most)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our CPU kernels are not built here")
+@pytest.mark.parametrize("threads", [1, None], ids=["one-thread", "every-thread"])
+def test_a_float32_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(threads):
+    """Our float32 kernel sums each output the same way at any row count, split and thread count, so
+    a decoding or verification pass gives a row the bits it gets alone; with a bias, and with inputs
+    that are no whole number of vector lanes. The default target's shapes, random weights."""
+    generator = torch.Generator().manual_seed(2)
+    most = torch.get_num_threads()
+    torch.set_num_threads(threads or most)
+    try:
+        for outputs, inputs, bias in [(960, 576, False), (576, 1536, False), (49152, 576, False), (70, 45, True)]:
+            weight = torch.randn(outputs, inputs, generator=generator)
+            b = torch.randn(outputs, generator=generator) if bias else None
+            rows = torch.randn(projection.OWN_KERNEL_ROWS, inputs, generator=generator)
+            alone = torch.cat([project(rows[i:i + 1], weight, b) for i in range(len(rows))])
+            exact = rows.double() @ weight.double().t() + (0 if b is None else b.double())
+            assert (alone.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+            for count in (2, 3, 4, 5, 7, 16, 33, projection.OWN_KERNEL_ROWS):
+                assert torch.equal(project(rows[:count], weight, b), alone[:count]), (outputs, inputs, count)
+            assert torch.equal(project(rows[::2], weight, b), alone[::2])  # rows apart in memory
+    finally:
+        torch.set_num_threads(most)
+
+
+def test_a_product_that_needs_a_gradient_takes_torch_s_path():
+    """Training (`specserve train`) may run the decoder's layers under autograd, which neither our
+    kernel nor oneDNN's packed weight has a backward for: there `project` takes F.linear."""
+    weight = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(3, 16)
+    project(x, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 16))
 
 
 def test_a_large_half_precision_call_is_split_into_counts_found_invariant(monkeypatch):

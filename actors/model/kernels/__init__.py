@@ -25,7 +25,7 @@ import torch.utils.cpp_extension as cpp_extension
 from actors.model.cache_folder import cache_root
 
 log = logging.getLogger(__name__)
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "linear.cpp")
 HEADERS = ("vector_math.h", "dtype_io.h")
 HERE = Path(__file__).resolve().parent
 
