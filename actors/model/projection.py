@@ -6,12 +6,16 @@ took 1.5-2x that on a CPU without AVX-512 (AMD Zen), and it sums every row the s
 count, so those rows' bits are their own. Larger calls (prompts) take oneDNN, faster there.
 
 Speculative greedy output equals plain decoding's only if a row's product does not depend on the
-other rows of its pass (docs/lossless.md). In half precision on a CPU oneDNN gives a row the same
-bits in calls of 1 to 128 rows; past that it depends on the call's row count, the weight's shape
-and the thread count (a down projection of 1,536 inputs changed at 160-256 rows on two threads and
-from 193 on one), and a 128-row call is far slower a row than a large one (a 1,024-token prompt's
-products 1.55x). So a large call is split into the largest counts that this weight shape, at this
-thread count, was seen to give every row the bits of 128-row calls (`row_invariant`).
+other rows of its pass (docs/lossless.md). In bfloat16 on a CPU oneDNN gave a row the same bits in
+calls of 1 to 128 rows on one machine, but not on another (an AVX512-FP16 Xeon: the down projection,
+1,536 inputs, moved the 7th and later rows of calls from 7 rows on), so that is probed once per
+weight shape and thread count (`keeps_rows`), and a shape where it fails takes our kernel at every
+row count (it sums each output one fixed way; 1.0-1.4x oneDNN's time there). Past 128 rows oneDNN's
+bits depend on the call's row count, the weight's shape and the thread count (that down projection
+changed at 160-256 rows on two threads and from 193 on one on the first machine), and a 128-row
+call is far slower a row than a large one (a 1,024-token prompt's products 1.55x). So a large call
+is split into the largest counts that this weight shape, at this thread count, was seen to give
+every row the bits of 128-row calls (`row_invariant`).
 """
 from __future__ import annotations
 
@@ -109,6 +113,26 @@ def row_invariant(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: t
     return known
 
 
+PROBED_COUNTS = (*range(2, 65), *range(71, 128, 7), 128)
+"""Row counts a half-precision call is probed at for `keeps_rows`: every count to 64 (oneDNN changed
+kernels at 7 rows on one machine), then a sample to 128."""
+_keeps_rows: dict[tuple, bool] = {}
+
+
+def keeps_rows(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN gives every row of a half-precision call of 1 to 128 rows over this weight shape
+    the bits it gets alone, at torch's thread count now. Measured, once per shape and thread count:
+    on a Xeon with AVX512-FP16 the down projection (1,536 inputs) gave the 7th and later rows of a
+    call other bits than alone from 7 rows on, where another machine's oneDNN kept them."""
+    key = (weight.dtype, tuple(weight.shape), bias is not None, torch.get_num_threads())
+    known = _keeps_rows.get(key)
+    if known is None:
+        x = torch.randn(INVARIANT_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        alone = torch.cat([ONEDNN_LINEAR(x[i:i + 1], packed, bias) for i in range(INVARIANT_ROWS)])
+        known = _keeps_rows[key] = all(torch.equal(ONEDNN_LINEAR(x[:n], packed, bias), alone[:n]) for n in PROBED_COUNTS)
+    return known
+
+
 def call_counts(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list[int]:
     """The row counts a half-precision product of `rows` rows is split into: the largest invariant
     count that fits, again, then what is left (at most `INVARIANT_ROWS` a call)."""
@@ -133,7 +157,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
     A product autograd must differentiate (training) takes F.linear: our kernel and oneDNN's packed
     weight have no backward. float32 on a CPU, up to `OWN_KERNEL_ROWS` rows: our kernel, where it is
-    built. Otherwise, on a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
+    built; bfloat16 at any row count, where oneDNN does not keep a row's bits for this shape
+    (`keeps_rows`). Otherwise, on a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
     oneDNN's linear over a packed copy of the weight (`packed_weight`) in bfloat16 at every row
     count (a large pass in the calls `call_counts` gives) and in float32 past `SMALL_ROWS` rows; up
     to there, `(W @ x.T).T`, which reads float32 weights at memory speed for 2 rows (1 row takes a
@@ -149,6 +174,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             and kernels.available()):
         return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    if (packs and x.dtype == torch.bfloat16 and kernels.available()
+            and not keeps_rows(weight, packed_weight(weight), bias)):
+        return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
         packed = packed_weight(weight)
         parts = [ONEDNN_LINEAR(part, packed, bias) for part in x.contiguous().split(call_counts(rows, weight, packed, bias))]

@@ -1,8 +1,10 @@
-// x @ W.T for float32 on a CPU, each output summed the same way whatever the call's row count, its
-// other rows or the thread count: one vector accumulator an output (8 lanes, 16 with AVX-512), over
-// the inputs in order (a fused multiply-add where the CPU has one), its lanes added in a fixed order. torch's float32
-// products (MKL, oneDNN) choose their kernel and summation order by the call's shape, and on some
-// CPUs (AMD's, without AVX-512) take slow paths for the few rows a decoding pass has.
+// x @ W.T for float32 and bfloat16 on a CPU, each output summed the same way whatever the call's row
+// count, its other rows or the thread count: one float32 vector accumulator an output (8 lanes, 16
+// with AVX-512), over the inputs in order (a fused multiply-add where the CPU has one), its lanes
+// added in a fixed order; a bfloat16 result is that sum rounded. torch's products (MKL, oneDNN)
+// choose their kernel and summation order by the call's shape, and on some CPUs take slow paths for
+// the few rows a decoding pass has (float32 on AMD's without AVX-512) or give a row other bits by
+// where it sits in the call (bfloat16 with 1,536 inputs on an AVX512-FP16 Xeon).
 //
 // Blocking: a thread takes a block of weight rows small enough to stay in its L2 while every panel
 // of input rows passes over it, so the weights are read from memory once a call; inside, a tile of
@@ -14,12 +16,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
-#if defined(__AVX__) && defined(__FMA__)
+#include "dtype_io.h"
+
+#if (defined(__AVX__) && defined(__FMA__)) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+using specserve_kernels::elements;
+using specserve_kernels::put;
+using specserve_kernels::to_float;
 
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
@@ -31,6 +40,19 @@ typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 inline Lanes load(const float* at) {
   Lanes v;
   std::memcpy(&v, at, sizeof v);
+  return v;
+}
+
+// bfloat16's bits widened to float32's (a shift: exact)
+typedef uint16_t Bits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Bits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Lanes load(const uint16_t* at) {
+  Bits16 bits;
+  std::memcpy(&bits, at, sizeof bits);
+  const Bits32 wide = __builtin_convertvector(bits, Bits32) << 16;
+  Lanes v;
+  std::memcpy(&v, &wide, sizeof v);
   return v;
 }
 
@@ -47,44 +69,83 @@ inline Lanes multiply_add(Lanes a, Lanes b, Lanes acc) {
 #endif
 }
 
-constexpr int64_t kTileRows = 4, kTileOutputs = 3;
+// How one step over the inputs reads its operands and adds their products to an output's lanes:
+// kStep inputs a step, the same steps for every output.
+template <typename T>
+struct Operands {  // float32, and bfloat16 widened to it
+  using Vector = Lanes;
+  static constexpr int64_t kStep = kLanes;
+  static Vector read(const T* at) { return load(at); }
+  static Lanes accumulate(Vector a, Vector b, Lanes acc) { return multiply_add(a, b, acc); }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 pairs straight into float32 lanes (vdpbf16ps: twice the products a step, no widening)
+template <>
+struct Operands<uint16_t> {
+  using Vector = __m512i;
+  static constexpr int64_t kStep = 2 * kLanes;
+  static Vector read(const uint16_t* at) { return _mm512_loadu_si512(at); }
+  static Lanes accumulate(Vector a, Vector b, Lanes acc) {
+    return reinterpret_cast<Lanes>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(a),
+                                                    reinterpret_cast<__m512bh>(b)));
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 4, kTileOutputs = 6;  // 24 accumulators, 6 weight vectors, an input: 31 of 32 registers
+#else
+constexpr int64_t kTileRows = 4, kTileOutputs = 3;  // 12 + 3 + 1: AVX2's 16
+#endif
 constexpr int64_t kPanelRows = 64;
 constexpr int64_t kBlockBytes = 96 * 1024;
 
-// An output's lanes and the inputs past the last whole group of lanes, always in this order.
-__attribute__((noinline)) float finish(Lanes acc, const float* x, const float* w, int64_t from, int64_t width) {
-  float total = 0.f;
-  for (int64_t lane = 0; lane < kLanes; ++lane) total += acc[lane];
-  for (int64_t k = from; k < width; ++k) total += x[k] * w[k];
+// An output's lanes added in halves (lane i and i + half, then again): additions alone, so their
+// order is the one written however the compiler lays them out.
+inline float lane_sum(Lanes acc) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &acc, sizeof acc);
+  for (int64_t half = kLanes / 2; half > 0; half /= 2)
+    for (int64_t lane = 0; lane < half; ++lane) lanes[lane] += lanes[lane + half];
+  return lanes[0];
+}
+
+// The inputs past the last whole step, after the lanes, in order: one function for every tile, so
+// that no tile's copy of it multiplies and adds another way.
+template <typename T>
+__attribute__((noinline)) float add_rest(float total, const T* x, const T* w, int64_t from, int64_t width) {
+  for (int64_t k = from; k < width; ++k) total += to_float(x[k]) * to_float(w[k]);
   return total;
 }
 
 // rows x outputs of the product (rows <= kTileRows, outputs <= kTileOutputs)
-template <int64_t Rows, int64_t Outputs>
-void tile(const float* x, const float* weight, const float* bias, float* y, int64_t width, int64_t x_stride,
-          int64_t y_stride) {
+template <int64_t Rows, int64_t Outputs, typename T>
+void tile(const T* x, const T* weight, const T* bias, T* y, int64_t width, int64_t x_stride, int64_t y_stride) {
   Lanes acc[Rows][Outputs];
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t o = 0; o < Outputs; ++o) acc[r][o] = Lanes{};
-  const int64_t whole = width - width % kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    Lanes w[Outputs];
-    for (int64_t o = 0; o < Outputs; ++o) w[o] = load(weight + o * width + k);
+  using Step = Operands<T>;
+  const int64_t whole = width - width % Step::kStep;
+  for (int64_t k = 0; k < whole; k += Step::kStep) {
+    typename Step::Vector w[Outputs];
+    for (int64_t o = 0; o < Outputs; ++o) w[o] = Step::read(weight + o * width + k);
     for (int64_t r = 0; r < Rows; ++r) {
-      const Lanes v = load(x + r * x_stride + k);
-      for (int64_t o = 0; o < Outputs; ++o) acc[r][o] = multiply_add(v, w[o], acc[r][o]);
+      const typename Step::Vector v = Step::read(x + r * x_stride + k);
+      for (int64_t o = 0; o < Outputs; ++o) acc[r][o] = Step::accumulate(v, w[o], acc[r][o]);
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t o = 0; o < Outputs; ++o) {
-      const float sum = finish(acc[r][o], x + r * x_stride, weight + o * width, whole, width);
-      y[r * y_stride + o] = bias == nullptr ? sum : sum + bias[o];
+      float sum = lane_sum(acc[r][o]);
+      if (whole < width) sum = add_rest(sum, x + r * x_stride, weight + o * width, whole, width);
+      put(y + r * y_stride + o, bias == nullptr ? sum : sum + to_float(bias[o]));
     }
 }
 
-template <int64_t Outputs>
-void tile_rows(int64_t rows, const float* x, const float* weight, const float* bias, float* y, int64_t width,
-               int64_t x_stride, int64_t y_stride) {
+template <int64_t Outputs, typename T>
+void tile_rows(int64_t rows, const T* x, const T* weight, const T* bias, T* y, int64_t width, int64_t x_stride,
+               int64_t y_stride) {
   switch (rows) {
     case 1: tile<1, Outputs>(x, weight, bias, y, width, x_stride, y_stride); break;
     case 2: tile<2, Outputs>(x, weight, bias, y, width, x_stride, y_stride); break;
@@ -93,29 +154,21 @@ void tile_rows(int64_t rows, const float* x, const float* weight, const float* b
   }
 }
 
-void any_tile(int64_t rows, int64_t outputs, const float* x, const float* weight, const float* bias, float* y,
-              int64_t width, int64_t x_stride, int64_t y_stride) {
-  switch (outputs) {
-    case 1: tile_rows<1>(rows, x, weight, bias, y, width, x_stride, y_stride); break;
-    case 2: tile_rows<2>(rows, x, weight, bias, y, width, x_stride, y_stride); break;
-    default: tile_rows<kTileOutputs>(rows, x, weight, bias, y, width, x_stride, y_stride);
-  }
+template <typename T, int64_t... Counts>
+void any_tile(std::integer_sequence<int64_t, Counts...>, int64_t rows, int64_t outputs, const T* x, const T* weight,
+              const T* bias, T* y, int64_t width, int64_t x_stride, int64_t y_stride) {
+  ((outputs == Counts + 1 && (tile_rows<Counts + 1>(rows, x, weight, bias, y, width, x_stride, y_stride), true)) || ...);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x [rows, in], float32, rows contiguous");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-              weight.size(1) == x.size(1), "weight [out, in], float32, contiguous");
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
+template <typename T>
+void product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t rows = x.size(0), width = x.size(1), outputs = weight.size(0), x_stride = x.stride(0);
-  at::Tensor y = at::empty({rows, outputs}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const float* ws = weight.data_ptr<float>();
-  const float* bs = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* ys = y.data_ptr<float>();
+  const T* xs = elements<T>(x);
+  const T* ws = elements<T>(weight);
+  const T* bs = bias.has_value() ? elements<T>(*bias) : nullptr;
+  T* ys = elements<T>(y);
   const int64_t block = std::max<int64_t>(
-      kTileOutputs, kBlockBytes / (width * static_cast<int64_t>(sizeof(float))) / kTileOutputs * kTileOutputs);
+      kTileOutputs, kBlockBytes / (width * static_cast<int64_t>(sizeof(T))) / kTileOutputs * kTileOutputs);
   const int64_t blocks = (outputs + block - 1) / block;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
@@ -125,12 +178,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
         for (int64_t o = o_begin; o < o_end; o += kTileOutputs) {
           const int64_t n = std::min(kTileOutputs, o_end - o);
           for (int64_t r = panel; r < panel_end; r += kTileRows)
-            any_tile(std::min(kTileRows, panel_end - r), n, xs + r * x_stride, ws + o * width,
+            any_tile(std::make_integer_sequence<int64_t, kTileOutputs>{}, std::min(kTileRows, panel_end - r), n,
+                     xs + r * x_stride, ws + o * width,
                      bs == nullptr ? nullptr : bs + o, ys + r * outputs + o, width, x_stride, outputs);
         }
       }
     }
   });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const auto type = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (type == at::kFloat || type == at::kBFloat16) && x.stride(1) == 1,
+              "x [rows, in], float32 or bfloat16, rows contiguous");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == type && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight [out, in], x's dtype, contiguous");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == weight.size(0), "bias [out]");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (type == at::kFloat)
+    product<float>(x, weight, bias, y);
+  else
+    product<uint16_t>(x, weight, bias, y);
   return y;
 }
 
