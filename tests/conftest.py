@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random Llama-family models built in the test, and the default model."""
 from __future__ import annotations
 
+import functools
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +74,30 @@ def pytest_collection_modifyitems(items):
     first to the end of the session, and is never running when a module starts a cluster of its own."""
     shared = {item.path for item in items if SHARED_RAY in item.fixturenames}
     items[:] = [item for item in items if item.path not in shared] + [item for item in items if item.path in shared]
+
+
+RAY_USE = re.compile(r"^\s*import ray\b|\b(ray_four_gpus|shared_serve|local_ray|serve_on_local_ray)\b", re.MULTILINE)
+"""What a module that starts or joins a Ray cluster says: it imports ray, or asks for a cluster of
+tests/cluster/ray_fixtures.py."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (`-n 2`, pyproject's addopts), one worker runs every module that uses Ray,
+    in their order above, while the other takes the rest one test at a time (in-process tests, one
+    torch thread each): two Ray clusters at once on a 2-core machine would only fight over it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if _uses_ray(path) else nodeid
+
+    return RayModulesOnOneWorker(config, log)
+
+
+@functools.cache
+def _uses_ray(path: str) -> bool:
+    return RAY_USE.search(Path(path).read_text()) is not None
 
 
 @pytest.fixture(scope="session")

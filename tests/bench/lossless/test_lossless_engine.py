@@ -1,16 +1,15 @@
 """The fast subset of `specserve bench lossless`: a few cases through the real in-process engine,
 and every negative control caught. The full set (tens of thousands of samples a case, Ray cases
-included) is the command itself, and the slow test at the end."""
+included) is the command itself, and a slow test in test_lossless_ray.py."""
 from __future__ import annotations
 
 import pytest
 
-from bench.lossless.cases import CASES, CASES_BY_NAME
+from bench.lossless.cases import CASES_BY_NAME
 from bench.lossless.controls import CONTROLS
-from bench.lossless.report import case_passed, measure, sample_case
+from bench.lossless.report import case_passed, sample_case
 from bench.lossless.stats import judge
 from tests.bench.lossless.fixtures import tiny_models  # noqa: F401  (session fixture)
-from tests.cluster.ray_fixtures import ray_four_gpus  # noqa: F401  (module fixture, slow test only)
 
 FAST_CASES = ["pld-tree", "draft-tree", "eagle3-tree", "mixed-batch-draft-tree", "draft-tree-pipelined",
               "suffix-tree-planned", "rest-tree", "lookahead-tree", "draft-tree-penalties", "draft-tree-grammar",
@@ -37,11 +36,3 @@ def test_a_verifier_with_a_deliberate_mistake_is_caught(tiny_models, control):
     groups, speculation = sample_case(case, tiny_models, FAST_SAMPLES, control)
     assert not case_passed(judge(groups), speculation)  # the real verifier passes these seeds (the full set)
 
-
-@pytest.mark.slow
-def test_the_full_set(tiny_models, ray_four_gpus):
-    report = measure(CASES, tiny_models, scale=1.0, control_samples=10_000)
-    failed = [c for c in report["cases"] if not c["passed"]]
-    assert not failed, failed
-    assert all(control["caught"] for control in report["negative_controls"]), report["negative_controls"]
-    assert all(c["detectable_shift"] <= 0.01 for c in report["cases"] if c["core"])
