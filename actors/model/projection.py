@@ -8,7 +8,7 @@ count, so those rows' bits are their own. Larger calls (prompts) take oneDNN, fa
 Speculative greedy output equals plain decoding's only if a row's product does not depend on the
 other rows of its pass (docs/lossless.md). In bfloat16 on a CPU oneDNN gave a row the same bits in
 calls of 1 to 128 rows on one machine, but not on another (an AVX512-FP16 Xeon: the down projection,
-1,536 inputs, moved the 7th and later rows of calls from 7 rows on), so that is probed once per
+1,536 inputs, changed rows of calls of several rows), so that is probed once per
 weight shape and thread count (`keeps_rows`), and a shape where it fails takes our kernel at every
 row count (it sums each output one fixed way; 1.0-1.4x oneDNN's time there). Past 128 rows oneDNN's
 bits depend on the call's row count, the weight's shape and the thread count (that down projection
@@ -113,23 +113,27 @@ def row_invariant(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: t
     return known
 
 
-PROBED_COUNTS = (*range(2, 65), *range(71, 128, 7), 128)
-"""Row counts a half-precision call is probed at for `keeps_rows`: every count to 64 (oneDNN changed
-kernels at 7 rows on one machine), then a sample to 128."""
+PROBED_COUNTS = (*range(2, 25), 32, 48, 64, 65, 96, 128)
+"""Row counts a half-precision call is probed at for `keeps_rows`: every count to 24 (oneDNN changed
+kernels from 2 or 7 rows on one machine), then the counts where blocks of rows end. Every row of
+each call is compared: another summation order changes a bfloat16 row in about one case of ten, so
+a sample of rows can miss it. The LM head's probe (49,152 x 576) costs ~0.3-0.6 s on a 2-core CPU,
+once per thread count, on the pass that first meets it."""
 _keeps_rows: dict[tuple, bool] = {}
 
 
 def keeps_rows(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether oneDNN gives every row of a half-precision call of 1 to 128 rows over this weight shape
     the bits it gets alone, at torch's thread count now. Measured, once per shape and thread count:
-    on a Xeon with AVX512-FP16 the down projection (1,536 inputs) gave the 7th and later rows of a
-    call other bits than alone from 7 rows on, where another machine's oneDNN kept them."""
+    on a Xeon with AVX512-FP16 the down projection (1,536 inputs) gave rows of calls of 2 rows or
+    more other bits than alone, where another machine's oneDNN kept them."""
     key = (weight.dtype, tuple(weight.shape), bias is not None, torch.get_num_threads())
     known = _keeps_rows.get(key)
     if known is None:
         x = torch.randn(INVARIANT_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         alone = torch.cat([ONEDNN_LINEAR(x[i:i + 1], packed, bias) for i in range(INVARIANT_ROWS)])
-        known = _keeps_rows[key] = all(torch.equal(ONEDNN_LINEAR(x[:n], packed, bias), alone[:n]) for n in PROBED_COUNTS)
+        known = _keeps_rows[key] = all(torch.equal(ONEDNN_LINEAR(x[:count], packed, bias), alone[:count])
+                                       for count in PROBED_COUNTS)
     return known
 
 

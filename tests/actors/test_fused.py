@@ -158,8 +158,8 @@ def test_our_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(
 @pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.ONEDNN_DTYPES,
                     reason="needs our kernel and oneDNN's packed bfloat16")
 def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kernel(monkeypatch):
-    """What an AVX512-FP16 Xeon's oneDNN did to the down projection, played by a stand-in: from 7 rows
-    a call gives its 7th row other bits. The probe finds it once for the shape, and every call of
+    """What an AVX512-FP16 Xeon's oneDNN did to the down projection (rows of calls of several rows
+    got other bits than alone), played by a stand-in: from 7 rows a call gives its 7th row other bits. The probe finds it once for the shape, and every call of
     that shape then takes our kernel, which keeps each row's bits; a shape oneDNN keeps stays there."""
     real = projection.ONEDNN_LINEAR
 

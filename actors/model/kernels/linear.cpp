@@ -4,7 +4,7 @@
 // added in a fixed order; a bfloat16 result is that sum rounded. torch's products (MKL, oneDNN)
 // choose their kernel and summation order by the call's shape, and on some CPUs take slow paths for
 // the few rows a decoding pass has (float32 on AMD's without AVX-512) or give a row other bits by
-// where it sits in the call (bfloat16 with 1,536 inputs on an AVX512-FP16 Xeon).
+// the call it is in (bfloat16 with 1,536 inputs on an AVX512-FP16 Xeon).
 //
 // Blocking: a thread takes a block of weight rows small enough to stay in its L2 while every panel
 // of input rows passes over it, so the weights are read from memory once a call; inside, a tile of
