@@ -159,8 +159,9 @@ def test_our_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(
                     reason="needs our kernel and oneDNN's packed bfloat16")
 def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kernel(monkeypatch):
     """What an AVX512-FP16 Xeon's oneDNN did to the down projection (rows of calls of several rows
-    got other bits than alone), played by a stand-in: from 7 rows a call gives its 7th row other bits. The probe finds it once for the shape, and every call of
-    that shape then takes our kernel, which keeps each row's bits; a shape oneDNN keeps stays there."""
+    got other bits than alone), played by a stand-in: from 7 rows a call gives its 7th row other
+    bits. The probe finds it once for the shape, and every call of that shape then takes our kernel,
+    which keeps each row's bits; a shape oneDNN keeps stays there."""
     real = projection.ONEDNN_LINEAR
 
     def moving_the_seventh_row(x, packed, bias):  # of a 96-input weight's calls; a row at a time otherwise
