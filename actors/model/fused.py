@@ -67,6 +67,11 @@ class JointProjection:
         stacked = self._weights()
         return None if stacked is None else self.project(x, *stacked)
 
+    def products(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of each product it makes: the stacked one, or each projection's."""
+        stacked = self._weights()
+        return [stacked] if stacked is not None else [(p.weight, p.bias) for p in self.projections]
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         weights = [p.weight for p in self.projections]
         biases = [p.bias for p in self.projections]

@@ -8,7 +8,7 @@ Hugging Face checkpoints so state dicts load as they are.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +146,16 @@ class LlamaDecoder(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def products(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every product a pass makes, as `project` gets them."""
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            yield from attention.qkv.products()
+            yield attention.o_proj.weight, attention.o_proj.bias
+            yield from mlp.gate_up.products()
+            yield mlp.down_proj.weight, mlp.down_proj.bias
+        yield self.head_weight(), None
 
     def new_cache(self, num_blocks: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         attn = self.model.layers[0].self_attn

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from actors.model.cache_folder import cache_root
 from actors.model.config import DecoderConfig
 from actors.model.llama import LlamaDecoder, decoder_from_tensors, layer_skip_config
+from actors.model.projection import probe_products
 from actors.model.sharding import Communicator, ShardPlan
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -161,8 +162,9 @@ def load_model(
                                "is it truncated or corrupt?") from error
     # on the device before the decoder stacks its projections: a later move would copy them apart
     state = {name: tensor.to(device) for name, tensor in state.items()}
-    model = decoder_from_tensors(config, state, plan, comm, attention_backend, source=f"{path}: checkpoint")
-    return model.to(device).eval()
+    model = decoder_from_tensors(config, state, plan, comm, attention_backend, source=f"{path}: checkpoint").to(device)
+    probe_products(model.products())
+    return model.eval()
 
 
 def load_tensors(name_or_path: str | os.PathLike, names: list[str], dtype: torch.dtype = torch.float32,

@@ -19,7 +19,7 @@ every row the bits of 128-row calls (`row_invariant`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +117,8 @@ PROBED_COUNTS = (*range(2, 25), 32, 48, 64, 65, 96, 128)
 """Row counts a half-precision call is probed at for `keeps_rows`: every count to 24 (oneDNN changed
 kernels from 2 or 7 rows on one machine), then the counts where blocks of rows end. Every row of
 each call is compared: another summation order changes a bfloat16 row in about one case of ten, so
-a sample of rows can miss it. The LM head's probe (49,152 x 576) costs ~0.3-0.6 s on a 2-core CPU,
-once per thread count, on the pass that first meets it."""
+a sample of rows can miss it. The LM head's probe (49,152 x 576) costs ~0.3-0.8 s on a 2-core CPU,
+once per thread count: at load for the count then (`probe_products`), on the first pass for another."""
 _keeps_rows: dict[tuple, bool] = {}
 
 
@@ -135,6 +135,21 @@ def keeps_rows(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
         known = _keeps_rows[key] = all(torch.equal(ONEDNN_LINEAR(x[:count], packed, bias), alone[:count])
                                        for count in PROBED_COUNTS)
     return known
+
+
+def _probed(weight: torch.Tensor) -> bool:
+    """Whether a product over this weight asks `keeps_rows` (bfloat16 that oneDNN packs on a CPU,
+    our kernel built to take over)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dtype in ONEDNN_DTYPES
+            and weight.is_contiguous() and kernels.available())
+
+
+def probe_products(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """`keeps_rows` for a model's products (weight, bias) at load, at torch's thread count then, so
+    that its first request does not pay the probes (the LM head's: 0.3-0.8 s on 2 cores)."""
+    for weight, bias in products:
+        if _probed(weight):
+            keeps_rows(weight, packed_weight(weight), bias)
 
 
 def call_counts(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list[int]:
@@ -178,8 +193,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             and kernels.available()):
         return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
-    if (packs and x.dtype == torch.bfloat16 and kernels.available()
-            and not keeps_rows(weight, packed_weight(weight), bias)):
+    if packs and _probed(weight) and not keeps_rows(weight, packed_weight(weight), bias):
         return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
         packed = packed_weight(weight)

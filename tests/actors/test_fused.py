@@ -9,7 +9,7 @@ import torch
 from actors.model import kernels, projection
 from actors.model.fused import stack_in_place, stacked_view
 from actors.model.llama import LlamaDecoder, decoder_from_tensors
-from actors.model.loader import load_tensors
+from actors.model.loader import load_model, load_tensors
 from actors.model.precision import cpu_has_bfloat16
 from actors.model.projection import project
 from actors.model.runner import ModelRunner
@@ -182,6 +182,18 @@ def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kerne
         assert torch.equal(project(x[:count], moved), alone[:count])
     assert torch.equal(alone, torch.ops.specserve.linear(x, moved, None))
     assert projection.keeps_rows(kept, projection.packed_weight(kept), None)
+
+
+@pytest.mark.default_model
+@pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.ONEDNN_DTYPES,
+                    reason="needs our kernel and oneDNN's packed bfloat16")
+def test_loading_a_bfloat16_model_probes_every_product_shape_so_its_first_request_does_not(default_model_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr(projection, "_keeps_rows", {})
+    model = load_model(default_model_path, dtype=torch.bfloat16)
+    probed = {(shape, threads) for _, shape, _, threads in projection._keeps_rows}
+    assert probed == {(tuple(weight.shape), torch.get_num_threads()) for weight, _ in model.products()}
+    assert len(probed) == 5  # q/k/v stacked, o, gate/up stacked, down, the LM head
 
 
 def test_a_product_that_needs_a_gradient_takes_torch_s_path():
