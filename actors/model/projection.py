@@ -122,7 +122,7 @@ once per thread count: at load for the count then (`probe_products`), on the fir
 _keeps_rows: dict[tuple, bool] = {}
 
 
-def keeps_rows(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def keeps_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether oneDNN gives every row of a half-precision call of 1 to 128 rows over this weight shape
     the bits it gets alone, at torch's thread count now. Measured, once per shape and thread count:
     on a Xeon with AVX512-FP16 the down projection (1,536 inputs) gave rows of calls of 2 rows or
@@ -130,6 +130,7 @@ def keeps_rows(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     key = (weight.dtype, tuple(weight.shape), bias is not None, torch.get_num_threads())
     known = _keeps_rows.get(key)
     if known is None:
+        packed = packed_weight(weight)
         x = torch.randn(INVARIANT_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         alone = torch.cat([ONEDNN_LINEAR(x[i:i + 1], packed, bias) for i in range(INVARIANT_ROWS)])
         known = _keeps_rows[key] = all(torch.equal(ONEDNN_LINEAR(x[:count], packed, bias), alone[:count])
@@ -149,7 +150,7 @@ def probe_products(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]])
     that its first request does not pay the probes (the LM head's: 0.3-0.8 s on 2 cores)."""
     for weight, bias in products:
         if _probed(weight):
-            keeps_rows(weight, packed_weight(weight), bias)
+            keeps_rows(weight, bias)
 
 
 def call_counts(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list[int]:
@@ -189,12 +190,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if x.device.type != "cpu" or x.dim() != 2 or _needs_gradient(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if (rows <= OWN_KERNEL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
-            and kernels.available()):
+    own_float32 = (rows <= OWN_KERNEL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+                   and weight.is_contiguous() and kernels.available())
+    if own_float32 or (x.dtype == weight.dtype and _probed(weight) and not keeps_rows(weight, bias)):
         return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
-    if packs and _probed(weight) and not keeps_rows(weight, packed_weight(weight), bias):
-        return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
         packed = packed_weight(weight)
         parts = [ONEDNN_LINEAR(part, packed, bias) for part in x.contiguous().split(call_counts(rows, weight, packed, bias))]

@@ -176,12 +176,12 @@ def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kerne
     moved = torch.randn(64, 96, generator=generator).to(torch.bfloat16)
     kept = torch.randn(64, 80, generator=generator).to(torch.bfloat16)
     x = torch.randn(300, 96, generator=generator).to(torch.bfloat16)
-    assert not projection.keeps_rows(moved, projection.packed_weight(moved), None)
+    assert not projection.keeps_rows(moved, None)
     alone = torch.cat([project(x[i:i + 1], moved) for i in range(len(x))])
     for count in (7, 8, 64, 129, 300):
         assert torch.equal(project(x[:count], moved), alone[:count])
     assert torch.equal(alone, torch.ops.specserve.linear(x, moved, None))
-    assert projection.keeps_rows(kept, projection.packed_weight(kept), None)
+    assert projection.keeps_rows(kept, None)
 
 
 @pytest.mark.default_model
