@@ -129,20 +129,21 @@ class DraftTree:
         return len(self.token_ids) - 1
 
     @cached_property
-    def _ancestry(self) -> tuple[torch.Tensor, list[int]]:
-        return ancestry(self.parents)
-
-    @property
     def depths(self) -> list[int]:
-        return self._ancestry[1]
+        """Each node's depth (the root's is 0), in plain Python: the planner asks for it every step
+        for every request, and torch calls there cost a GIL hand-over each in a serving process."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
 
     @property
     def max_depth(self) -> int:
         return max(self.depths)
 
-    @property
+    @cached_property
     def mask(self) -> torch.Tensor:
-        return self._ancestry[0]
+        return ancestor_mask(self.parents)
 
     @cached_property
     def children(self) -> list[list[int]]:

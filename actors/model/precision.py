@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from actors.model import kernels
-from actors.model.projection import ONEDNN_DTYPES
+from actors.model.projection import onednn_dtypes
 
 AUTO = "auto"
 
@@ -26,7 +26,7 @@ def cpu_has_bfloat16() -> bool:
 def cpu_bfloat16_is_exact() -> bool:
     """Whether a bfloat16 row's products here do not depend on its pass: oneDNN multiplies packed
     bfloat16 on this CPU and our attention kernel is built."""
-    return torch.bfloat16 in ONEDNN_DTYPES and kernels.available()
+    return torch.bfloat16 in onednn_dtypes() and kernels.available()
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

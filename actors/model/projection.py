@@ -19,6 +19,8 @@ every row the bits of 128-row calls (`row_invariant`).
 """
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -69,7 +71,19 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(packable)
 
 
-ONEDNN_DTYPES = _packable_dtypes()
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """`_packable_dtypes`, found once, on a thread of its own that ends with the probe. libgomp keeps
+    a pool of OpenMP threads for each thread that computes in parallel, and while a second pool
+    exists it stops spinning at barriers: a probe on the importing thread left one beside the engine
+    thread's, and the engine's passes took 1.6-2x as long."""
+    found: list[torch.dtype] = []
+    probe = threading.Thread(target=lambda: found.extend(_packable_dtypes()), name="onednn-probe")
+    probe.start()
+    probe.join()
+    return tuple(found)
+
+
 INVARIANT_ROWS = 128
 """oneDNN gives a half-precision row the same bits in every call of 1 to this many rows (measured on
 every shape of the default target, at one and two threads)."""
@@ -141,7 +155,7 @@ def keeps_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def _probed(weight: torch.Tensor) -> bool:
     """Whether a product over this weight asks `keeps_rows` (bfloat16 that oneDNN packs on a CPU,
     our kernel built to take over)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dtype in ONEDNN_DTYPES
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dtype in onednn_dtypes()
             and weight.is_contiguous() and kernels.available())
 
 
@@ -194,7 +208,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
                    and weight.is_contiguous() and kernels.available())
     if own_float32 or (x.dtype == weight.dtype and _probed(weight) and not keeps_rows(weight, bias)):
         return torch.ops.specserve.linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
-    packs = x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    packs = x.dtype in onednn_dtypes() and weight.dtype == x.dtype and weight.is_contiguous()
     if packs and x.dtype != torch.float32 and rows > INVARIANT_ROWS:
         packed = packed_weight(weight)
         parts = [ONEDNN_LINEAR(part, packed, bias) for part in x.contiguous().split(call_counts(rows, weight, packed, bias))]

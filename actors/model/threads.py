@@ -84,6 +84,7 @@ def name_pass_thread(most: int | None = None) -> None:
     wait whenever the passes hold both cores. OpenMP threads started later inherit the name; those
     already started are the threads that compute while this thread runs a parallel operation on
     `most` threads (the most its passes will use; None: torch's count now)."""
+    global _pass_threads
     now = torch.get_num_threads()
     try:
         (TASKS / str(threading.get_native_id()) / "comm").write_text(PASS_THREAD_NAME)
@@ -95,6 +96,7 @@ def name_pass_thread(most: int | None = None) -> None:
         for thread, ticks in _cpu_ticks().items():
             if ticks - before.get(thread, ticks) > 0:
                 (TASKS / thread / "comm").write_text(PASS_THREAD_NAME)
+        _pass_threads = (-math.inf, [])
     except OSError:  # not Linux: every thread's waits count
         pass
     finally:
@@ -115,17 +117,34 @@ def _cpu_ticks() -> dict[str, int]:
     return ticks
 
 
+THREADS_RESCAN_SECONDS = 5.0
+"""How long the list of pass threads is trusted: a Serve replica runs ~100 threads, and reading every
+thread's name at each sample costs a file read (and a GIL hand-over) each on the engine's thread.
+OpenMP threads started in between (torch's count raised again) are found at the next scan."""
+_pass_threads: tuple[float, list[str]] = (-math.inf, [])
+
+
+def _threads_to_watch() -> list[str]:
+    """The threads named by `name_pass_thread` (every thread of the process where none is), listed
+    again every THREADS_RESCAN_SECONDS."""
+    global _pass_threads
+    listed_at, threads = _pass_threads
+    if time.monotonic() - listed_at >= THREADS_RESCAN_SECONDS or not threads:
+        everyone = os.listdir(TASKS)
+        threads = [thread for thread in everyone if _comm(thread) == PASS_THREAD_NAME] or everyone
+        _pass_threads = (time.monotonic(), threads)
+    return threads
+
+
 def _waiting_seconds() -> float | None:
-    """Seconds the threads that run passes (named by `name_pass_thread`; every thread of the process
-    where none is) have spent runnable but waiting for a CPU, summed (the scheduler's per-thread
-    schedstat; None where the kernel keeps none)."""
+    """Seconds the threads that run passes have spent runnable but waiting for a CPU, summed (the
+    scheduler's per-thread schedstat; None where the kernel keeps none)."""
     try:
-        threads = os.listdir(TASKS)
+        threads = _threads_to_watch()
     except OSError:
         return None
-    named = {thread for thread in threads if _comm(thread) == PASS_THREAD_NAME}
     total, seen = 0, False
-    for thread in named or threads:
+    for thread in threads:
         try:
             total += int((TASKS / thread / "schedstat").read_text().split()[1])
             seen = True

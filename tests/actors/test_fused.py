@@ -76,15 +76,15 @@ def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_i
     the same product, and a weight changed in place is packed again."""
     if path == "ours" and not kernels.available():
         pytest.skip("our kernel is not built here")
-    if path == "ours" and dtype == torch.bfloat16 and dtype not in projection.ONEDNN_DTYPES:
+    if path == "ours" and dtype == torch.bfloat16 and dtype not in projection.onednn_dtypes():
         pytest.skip("bfloat16 takes our kernel where oneDNN packs it but does not keep a row's bits")
-    if path == "onednn" and dtype not in projection.ONEDNN_DTYPES:
+    if path == "onednn" and dtype not in projection.onednn_dtypes():
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     monkeypatch.setattr(projection, "keeps_rows", lambda *_: path != "ours")
     if path != "ours":
         monkeypatch.setattr(projection, "OWN_KERNEL_ROWS", 0)
     if path == "torch":
-        monkeypatch.setattr(projection, "ONEDNN_DTYPES", ())
+        monkeypatch.setattr(projection, "onednn_dtypes", lambda: ())
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator).to(dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
@@ -155,7 +155,7 @@ def test_our_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(
         torch.set_num_threads(most)
 
 
-@pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.ONEDNN_DTYPES,
+@pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.onednn_dtypes(),
                     reason="needs our kernel and oneDNN's packed bfloat16")
 def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kernel(monkeypatch):
     """What an AVX512-FP16 Xeon's oneDNN did to the down projection (rows of calls of several rows
@@ -185,7 +185,7 @@ def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kerne
 
 
 @pytest.mark.default_model
-@pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.ONEDNN_DTYPES,
+@pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.onednn_dtypes(),
                     reason="needs our kernel and oneDNN's packed bfloat16")
 def test_loading_a_bfloat16_model_probes_every_product_shape_so_its_first_request_does_not(default_model_path,
                                                                                            monkeypatch):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +100,22 @@ def test_a_real_busy_process_takes_a_thread(monkeypatch):
         busy.kill()
         busy.wait()
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists() or len(os.sched_getaffinity(0)) < 2,
+                    reason="counts threads through /proc, and a product starts OpenMP threads only on 2+ cores")
+def test_finding_onednn_dtypes_leaves_no_openmp_threads_on_the_calling_thread():
+    """The probe computes on a thread that ends with it. A pool of OpenMP threads left on the thread
+    that imports the model code (a Serve replica's main thread) made the engine thread's passes
+    1.6-2x slower; the control shows that a product on the calling thread does leave one."""
+    script = (
+        "import os, time, torch\n"
+        "from actors.model import projection\n"
+        "count = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = count(); projection.onednn_dtypes(); time.sleep(0.2); probed = count()\n"
+        "x = torch.ones(512, 512); x @ x; print(before, probed, count())\n")
+    before, probed, after_product = map(int, subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[2]).stdout.split())
+    assert probed == before
+    assert after_product > before
