@@ -6,7 +6,11 @@ took 1.5-2x that on a CPU without AVX-512 (AMD Zen), and it sums every row the s
 count, so those rows' bits are their own. Larger calls (prompts) take oneDNN, faster there.
 
 Speculative greedy output equals plain decoding's only if a row's product does not depend on the
-other rows of its pass (docs/lossless.md). In bfloat16 on a CPU oneDNN gave a row the same bits in
+other rows of its pass (docs/lossless.md). In bfloat16 on a CPU with AVX512-BF16 every product takes
+our kernel over a paired copy of the weight (`paired_weight`, `linear_pairs`): each output summed
+over the input pairs in order, so a row's bits are its own at any row count and thread count, at
+oneDNN's speed or better from 1 to 1,024 rows. Elsewhere (bfloat16 asked for on a CPU without it)
+oneDNN gave a row the same bits in
 calls of 1 to 128 rows on one machine, but not on another (an AVX512-FP16 Xeon: the down projection,
 1,536 inputs, changed rows of calls of several rows), so that is probed once per
 weight shape and thread count (`keeps_rows`), and a shape where it fails takes our kernel at every
@@ -98,6 +102,35 @@ _packed_weights = WeakIdKeyDictionary()
 in-place change (a load, a test setting weights)."""
 
 
+_paired_weights = WeakIdKeyDictionary()
+"""weight -> (its version when paired, its copy laid out for `linear_pairs`): made on first use (at
+load, by `probe_products`), again after an in-place change."""
+
+
+@functools.cache
+def pairs_kernel() -> bool:
+    """Whether bfloat16 products take our kernel over paired weights: built for a CPU with AVX512-BF16."""
+    return kernels.available() and torch.ops.specserve.pairs_built()
+
+
+def _takes_pairs(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and pairs_kernel())
+
+
+def paired_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] as [out / 16, in / 2, 16, 2] (outputs padded to a multiple of 16 with
+    zeros): one 64-byte vector holds an input pair's weights for 16 outputs. A copy, like oneDNN's
+    packed weight, which bfloat16 then no longer makes."""
+    entry = _paired_weights.get(weight)
+    if entry is None or entry[0] != weight._version:
+        outputs, inputs = weight.shape
+        padded = torch.cat([weight.detach(), weight.new_zeros(-outputs % 16, inputs)])
+        entry = (weight._version, padded.view(-1, 16, inputs // 2, 2).transpose(1, 2).contiguous())
+        _paired_weights[weight] = entry
+    return entry[1]
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's packed (blocked) copy of a contiguous CPU weight: with it a pass of 16 sequences x
     1 token took 0.70 of the time in float32 and 0.86 in bfloat16, and a one-token pass in bfloat16
@@ -156,14 +189,17 @@ def _probed(weight: torch.Tensor) -> bool:
     """Whether a product over this weight asks `keeps_rows` (bfloat16 that oneDNN packs on a CPU,
     our kernel built to take over)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dtype in onednn_dtypes()
-            and weight.is_contiguous() and kernels.available())
+            and weight.is_contiguous() and kernels.available() and not _takes_pairs(weight))
 
 
 def probe_products(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """`keeps_rows` for a model's products (weight, bias) at load, at torch's thread count then, so
-    that its first request does not pay the probes (the LM head's: 0.3-0.8 s on 2 cores)."""
+    """At load, so that a model's first request pays neither: the paired copies of its bfloat16
+    weights, or else `keeps_rows` for its products (weight, bias) at torch's thread count then (the
+    LM head's probe: 0.3-0.8 s on 2 cores)."""
     for weight, bias in products:
-        if _probed(weight):
+        if _takes_pairs(weight):
+            paired_weight(weight)
+        elif _probed(weight):
             keeps_rows(weight, bias)
 
 
@@ -190,7 +226,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """x @ weight.T (+ bias) for x [rows, in], the fastest way for the device.
 
     A product autograd must differentiate (training) takes F.linear: our kernel and oneDNN's packed
-    weight have no backward. float32 on a CPU, up to `OWN_KERNEL_ROWS` rows: our kernel, where it is
+    weight have no backward. bfloat16 on a CPU with AVX512-BF16: our kernel over the paired weight,
+    at any row count. float32 on a CPU, up to `OWN_KERNEL_ROWS` rows: our kernel, where it is
     built; bfloat16 at any row count, where oneDNN does not keep a row's bits for this shape
     (`keeps_rows`). Otherwise, on a CPU (2 cores, AVX-512, MKL, oneDNN), measured in whole passes of the default target:
     oneDNN's linear over a packed copy of the weight (`packed_weight`) in bfloat16 at every row
@@ -203,6 +240,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """
     if x.device.type != "cpu" or x.dim() != 2 or _needs_gradient(x, weight, bias):
         return F.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16 and _takes_pairs(weight):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return torch.ops.specserve.linear_pairs(x, paired_weight(weight), bias, weight.shape[0])
     rows = x.shape[0]
     own_float32 = (rows <= OWN_KERNEL_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
                    and weight.is_contiguous() and kernels.available())

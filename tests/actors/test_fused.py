@@ -68,12 +68,17 @@ def test_weights_assigned_after_loading_are_the_ones_used():
     torch.testing.assert_close(after, logits(reference, ids))
 
 
-@pytest.mark.parametrize("path", ["ours", "onednn", "torch"])
+@pytest.mark.parametrize("path", ["pairs", "ours", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_products_equal_a_float64_product_at_every_row_count_and_follow_an_in_place_change(dtype, path, monkeypatch):
-    """`project` takes a different path by row count and dtype (our kernel, a packed oneDNN weight,
-    or W @ x.T, or torch's own product where this CPU's oneDNN cannot pack the dtype); every one is
-    the same product, and a weight changed in place is packed again."""
+    """`project` takes a different path by row count and dtype (our kernel over a paired or a plain
+    weight, a packed oneDNN weight, or W @ x.T, or torch's own product where this CPU's oneDNN
+    cannot pack the dtype); every one is the same product, and a weight changed in place is packed
+    again."""
+    if path == "pairs" and (dtype != torch.bfloat16 or not projection.pairs_kernel()):
+        pytest.skip("the paired kernel takes bfloat16, built for a CPU with AVX512-BF16")
+    if path != "pairs":
+        monkeypatch.setattr(projection, "pairs_kernel", lambda: False)
     if path == "ours" and not kernels.available():
         pytest.skip("our kernel is not built here")
     if path == "ours" and dtype == torch.bfloat16 and dtype not in projection.onednn_dtypes():
@@ -155,6 +160,30 @@ def test_our_cpu_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(
         torch.set_num_threads(most)
 
 
+@pytest.mark.skipif(not projection.pairs_kernel(), reason="the paired kernel needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("threads", [1, None], ids=["one-thread", "every-thread"])
+def test_the_paired_bfloat16_product_gives_a_row_the_same_bits_whatever_rows_share_its_call(threads):
+    """Each output is summed over the input pairs in order in lanes of its own, so a row's bits do
+    not depend on the call's row count, the thread count or where the rows lie; outputs that are no
+    multiple of 16 and a bias included."""
+    generator = torch.Generator().manual_seed(4)
+    most = torch.get_num_threads()
+    torch.set_num_threads(threads or most)
+    try:
+        for outputs, inputs, bias in [(960, 576, False), (576, 1536, False), (49152, 576, False), (70, 46, True)]:
+            weight = torch.randn(outputs, inputs, generator=generator).to(torch.bfloat16)
+            b = torch.randn(outputs, generator=generator).to(torch.bfloat16) if bias else None
+            rows = torch.randn(300, inputs, generator=generator).to(torch.bfloat16)
+            alone = torch.cat([project(rows[i:i + 1], weight, b) for i in range(len(rows))])
+            exact = rows.double() @ weight.double().t() + (0 if b is None else b.double())
+            assert (alone.double() - exact).abs().max() < 1e-2 * exact.abs().max()
+            for count in (2, 3, 4, 5, 7, 16, 33, 64, 65, 129, 300):
+                assert torch.equal(project(rows[:count], weight, b), alone[:count]), (outputs, inputs, count)
+            assert torch.equal(project(rows[::2], weight, b), alone[::2])  # rows apart in memory
+    finally:
+        torch.set_num_threads(most)
+
+
 @pytest.mark.skipif(not kernels.available() or torch.bfloat16 not in projection.onednn_dtypes(),
                     reason="needs our kernel and oneDNN's packed bfloat16")
 def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kernel(monkeypatch):
@@ -172,6 +201,7 @@ def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kerne
 
     monkeypatch.setattr(projection, "ONEDNN_LINEAR", moving_the_seventh_row)
     monkeypatch.setattr(projection, "_keeps_rows", {})
+    monkeypatch.setattr(projection, "pairs_kernel", lambda: False)  # a CPU without AVX512-BF16
     generator = torch.Generator().manual_seed(3)
     moved = torch.randn(64, 96, generator=generator).to(torch.bfloat16)
     kept = torch.randn(64, 80, generator=generator).to(torch.bfloat16)
@@ -190,10 +220,21 @@ def test_a_bfloat16_shape_whose_onednn_product_moves_a_rows_bits_takes_our_kerne
 def test_loading_a_bfloat16_model_probes_every_product_shape_so_its_first_request_does_not(default_model_path,
                                                                                            monkeypatch):
     monkeypatch.setattr(projection, "_keeps_rows", {})
+    monkeypatch.setattr(projection, "pairs_kernel", lambda: False)  # a CPU without AVX512-BF16
     model = load_model(default_model_path, dtype=torch.bfloat16)
     probed = {(shape, threads) for _, shape, _, threads in projection._keeps_rows}
     assert probed == {(tuple(weight.shape), torch.get_num_threads()) for weight, _ in model.products()}
     assert len(probed) == 5  # q/k/v stacked, o, gate/up stacked, down, the LM head
+
+
+@pytest.mark.default_model
+@pytest.mark.skipif(not projection.pairs_kernel(), reason="the paired kernel needs a CPU with AVX512-BF16")
+def test_loading_a_bfloat16_model_pairs_every_product_weight_and_probes_none(default_model_path, monkeypatch):
+    monkeypatch.setattr(projection, "_keeps_rows", {})
+    model = load_model(default_model_path, dtype=torch.bfloat16)
+    assert projection._keeps_rows == {}
+    for weight, _ in model.products():
+        assert weight in projection._paired_weights
 
 
 def test_a_product_that_needs_a_gradient_takes_torch_s_path():
