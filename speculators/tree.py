@@ -47,7 +47,12 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
-    return ancestry(parents)[1]
+    """Each node's depth (a root's is 0), in plain Python: the planner asks for it every step for
+    every request, and torch calls there cost a GIL hand-over each in a serving process."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 def token_paths(token_ids: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:
@@ -130,12 +135,7 @@ class DraftTree:
 
     @cached_property
     def depths(self) -> list[int]:
-        """Each node's depth (the root's is 0), in plain Python: the planner asks for it every step
-        for every request, and torch calls there cost a GIL hand-over each in a serving process."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        return depths
+        return node_depths(self.parents)
 
     @property
     def max_depth(self) -> int:

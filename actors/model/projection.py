@@ -122,12 +122,20 @@ def paired_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] as [out / 16, in / 2, 16, 2] (outputs padded to a multiple of 16 with
     zeros): one 64-byte vector holds an input pair's weights for 16 outputs. A copy, like oneDNN's
     packed weight, which bfloat16 then no longer makes."""
-    entry = _paired_weights.get(weight)
-    if entry is None or entry[0] != weight._version:
+    def pair(weight: torch.Tensor) -> torch.Tensor:
         outputs, inputs = weight.shape
-        padded = torch.cat([weight.detach(), weight.new_zeros(-outputs % 16, inputs)])
-        entry = (weight._version, padded.view(-1, 16, inputs // 2, 2).transpose(1, 2).contiguous())
-        _paired_weights[weight] = entry
+        padded = torch.cat([weight, weight.new_zeros(-outputs % 16, inputs)])
+        return padded.view(-1, 16, inputs // 2, 2).transpose(1, 2).contiguous()
+
+    return _current_copy(_paired_weights, weight, pair)
+
+
+def _current_copy(copies: WeakIdKeyDictionary, weight: torch.Tensor,
+                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`make(weight)`, kept in `copies` until the weight changes in place (its version moves)."""
+    entry = copies.get(weight)
+    if entry is None or entry[0] != weight._version:
+        entry = copies[weight] = (weight._version, make(weight.detach()))
     return entry[1]
 
 
@@ -136,11 +144,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     1 token took 0.70 of the time in float32 and 0.86 in bfloat16, and a one-token pass in bfloat16
     0.66, where unpacked oneDNN takes a slow path (docs/benchmarks.md, "Measurements behind the
     code"). The copy doubles the weights' memory on a CPU."""
-    entry = _packed_weights.get(weight)
-    if entry is None or entry[0] != weight._version:
-        entry = (weight._version, ONEDNN_PACK(weight.detach(), PACK_ROWS_HINT[weight.dtype]))
-        _packed_weights[weight] = entry
-    return entry[1]
+    return _current_copy(_packed_weights, weight, lambda w: ONEDNN_PACK(w, PACK_ROWS_HINT[w.dtype]))
 
 
 def row_invariant(rows: int, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -187,9 +191,9 @@ def keeps_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def _probed(weight: torch.Tensor) -> bool:
     """Whether a product over this weight asks `keeps_rows` (bfloat16 that oneDNN packs on a CPU,
-    our kernel built to take over)."""
+    our kernel built to take over); only asked where the paired kernel does not take the weight."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dtype in onednn_dtypes()
-            and weight.is_contiguous() and kernels.available() and not _takes_pairs(weight))
+            and weight.is_contiguous() and kernels.available())
 
 
 def probe_products(products: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
