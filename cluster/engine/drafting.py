@@ -23,6 +23,9 @@ class PendingDraft:
     """Tokens the drafter catches up on in this call (what it had not seen of each request)."""
     hidden: dict[str, TargetHidden | None] = field(default_factory=dict)
     """The target's hidden states the call took, per request."""
+    engine_seconds: float | None = 0.0
+    """What the call cost the engine's thread: building and sending it, then waiting for its trees
+    (not the drafting it overlapped); None once it failed."""
 
     def give_back(self, pending: PendingHidden, request_ids: Iterable[str], active: Container[str]) -> None:
         """The rows of these requests go back to `pending` (their drafter never used them: the call

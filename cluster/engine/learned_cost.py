@@ -1,8 +1,11 @@
-"""Costs learned from what calls actually took: a costly drafter's call (a draft model's, a trained
-head's), fitted online by least squares with forgetting, so it follows a machine whose load changes."""
+"""Costs learned from what calls actually took, fitted online by least squares with forgetting, so
+they follow a machine whose load changes: a costly drafter's call (a draft model's, a trained
+head's), and a whole verification step against the target's measured cost curve."""
 from __future__ import annotations
 
 import numpy as np
+
+from cluster.engine.cost import CostCurve
 
 MEMORY = 0.95
 """Weight an earlier call keeps at each new one: the fit follows about the last 20 calls."""
@@ -37,3 +40,52 @@ class DrafterCost:
     def seconds(self, rows: float, depth: int) -> float:
         fixed, per_row, per_depth = self.coefficients()
         return fixed + per_row * rows + per_depth * depth
+
+
+STEP_MEMORY = 0.99
+"""Weight an earlier step keeps at each new one: the step fit follows about the last 100 steps (a few
+seconds), long enough to average out a noisy step, short enough to follow a change of load."""
+PRIOR_STEPS = 2.0
+"""Steps' worth of belief that the cost curve is right, before and beside what steps say."""
+
+
+class StepCost:
+    """Seconds of a verification step as the engine lives it, not as the startup cost curve timed it.
+
+    The curve times bare forward passes on a quiet machine. A served step also pays what the curve
+    never sees: the tree's verification (the target's choice at every node, KV compaction),
+    committing and streaming, and the serving path's threads on the same cores. Steps are fitted
+    online as the curve plus a correction, `fixed + scale * curve + per_drafted * drafted`, shrunk
+    towards no correction (PRIOR_STEPS): a drafted token may cost more than a prompt token of the
+    same pass, and a served step more than a timed one. `per_drafted` is kept non-negative:
+    verifying a drafted token never saves time.
+    """
+
+    def __init__(self, curve: CostCurve):
+        self.curve = curve
+        self._unit = curve.seconds(1)
+        self._per_token = curve.seconds_per_token()
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._ridge = PRIOR_STEPS * np.diag(np.array([self._unit, self._unit, self._per_token]) ** 2)
+        self._correction = np.zeros(3)
+
+    def _features(self, forward: float, drafted: int) -> np.ndarray:
+        """In seconds; the prior holds each coefficient near zero at the scale of a pass (a step's part)
+        or of a token (a drafted token's part)."""
+        return np.array([self._unit, forward, drafted * self._per_token])
+
+    def observe(self, tokens: int, sequences: int, drafted: int, seconds: float) -> None:
+        """A step of `tokens` tokens (drafted ones and prompt chunks included) over `sequences` took `seconds`."""
+        forward = self.curve.seconds(tokens, sequences)
+        x = self._features(forward, drafted)
+        self._xx = STEP_MEMORY * self._xx + np.outer(x, x)
+        self._xy = STEP_MEMORY * self._xy + x * (seconds - forward)
+        correction = np.linalg.solve(self._xx + self._ridge, self._xy)
+        correction[2] = max(correction[2], 0.0)
+        self._correction = correction
+
+    def seconds(self, tokens: int, sequences: int = 1, drafted: int = 0) -> float:
+        """Expected seconds of a step of `tokens` tokens over `sequences`, `drafted` of them drafted."""
+        forward = self.curve.seconds(tokens, sequences)
+        return max(forward + float(self._features(forward, drafted) @ self._correction), 0.1 * forward)

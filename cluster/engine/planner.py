@@ -11,6 +11,12 @@ likelier than its parent) while the batch's goodput (B + sum of kept probabiliti
 still grows, so a lone request drafts more where a pass of few tokens costs about one decode step,
 and a full batch drafts less or nothing once passes turn compute-bound.
 
+A step is priced by `StepCost` (learned_cost.py): the curve corrected online by what steps really
+took, so verification work the curve never timed, and the serving path around it, are paid for.
+A cheap drafter's call (suffix, prompt lookup) is paid before any tree is seen, so whether to call it
+at all is `DraftCallGate`'s: a call is made while what the planner's trims expect it to save is more
+than what calls cost, per batch size.
+
 Lossless sampling: a tree carrying draft probabilities (sampled from a draft model or a head) is never
 trimmed here, because keeping a sampled node or not by its own value would change the
 distribution it was drawn from. Deterministic trees (prompt lookup, suffix, greedy drafts) are a
@@ -20,12 +26,15 @@ tokens that are the target's own samples, whatever else was drafted.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.engine.cost import CostCurve
-from cluster.engine.learned_cost import DrafterCost
+from cluster.engine.learned_cost import DrafterCost, StepCost
 from speculators.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 BUCKETS = 20
 PRIOR_WEIGHT = 4.0
@@ -165,6 +174,13 @@ class Planner:
     acceptance: Acceptance = field(default_factory=Acceptance)
     steps_since_drafting: int = 0
     explore_after: int = EXPLORE_EVERY
+    step: StepCost = field(init=False)
+    """What a step costs: the curve, corrected by the steps observed."""
+    last_saving: float = 0.0
+    """Seconds the last trim's plan is expected to save against decoding its expected tokens plainly."""
+
+    def __post_init__(self):
+        self.step = StepCost(self.cost)
 
     def trim(self, drafts: Sequence[Planned], other_tokens: int = 0, other_sequences: int = 0) -> list[DraftTree]:
         """Each draft cut to the nodes that maximise the batch's expected tokens per second; the pass
@@ -172,6 +188,7 @@ class Planner:
         time and yield no output tokens."""
         sequences = len(drafts) + other_sequences
         fixed_tokens, value = len(drafts) + other_tokens, float(len(drafts))
+        fixed_drafted = 0
         candidates = []  # (path probability, depth, draft index, node)
         for index, draft in enumerate(drafts):
             draft.probs = path_probabilities(draft.tree, self.acceptance, draft.factor)
@@ -180,19 +197,30 @@ class Planner:
                 depths = draft.tree.depths
                 candidates += [(-p - extra[n], depths[n], index, n) for n, p in enumerate(draft.probs) if n]
             else:
-                fixed_tokens += draft.tree.num_drafted
+                fixed_drafted += draft.tree.num_drafted
                 value += sum(draft.probs[1:]) + sum(extra[1:])
+        fixed_tokens += fixed_drafted
         candidates.sort()
-        best, best_count = value / self.cost.seconds(fixed_tokens, sequences), 0
+        best_seconds = self.step.seconds(fixed_tokens, sequences, fixed_drafted)
+        best, best_count, best_value = value / best_seconds, 0, value
         for count, (negative, _, _, _) in enumerate(candidates, start=1):
             value -= negative
-            goodput = value / self.cost.seconds(fixed_tokens + count, sequences)
-            if goodput > best:
-                best, best_count = goodput, count
+            seconds = self.step.seconds(fixed_tokens + count, sequences, fixed_drafted + count)
+            if value / seconds > best:
+                best, best_count, best_value, best_seconds = value / seconds, count, value, seconds
+        self.last_saving = self._saving(len(drafts), best_value, best_seconds, other_tokens, sequences)
         kept: list[list[int]] = [[] for _ in drafts]
         for _, _, index, node in candidates[:best_count]:
             kept[index].append(node)
         return [subtree(d.tree, kept[i]) if d.trimmable else d.tree for i, d in enumerate(drafts)]
+
+    def _saving(self, decoding: int, value: float, seconds: float, other_tokens: int, sequences: int) -> float:
+        """Seconds a step of expected `value` output tokens taking `seconds` saves against plain decoding:
+        its tokens past one a request, at what a plain step spends a token, less the seconds it adds."""
+        if not decoding:
+            return 0.0
+        per_token = self.step.seconds(decoding, decoding) / decoding
+        return (value - decoding) * per_token - (seconds - self.step.seconds(decoding + other_tokens, sequences))
 
     def depth(self, sequences: int, cap: int, drafter: DrafterCost) -> int:
         """How deep a costly drafter (a draft model, a trained head) should draft for a batch, before
@@ -200,12 +228,13 @@ class Planner:
         verifying, with the acceptance learned at each depth so far. A step that drafts pays the
         drafter's call: catching up on the tokens committed per step, and drafting. When no depth
         pays, a step now and then still drafts one token (see EXPLORE_EVERY)."""
-        best, best_depth = sequences / self.cost.seconds(sequences, sequences), 0
+        best, best_depth = sequences / self.step.seconds(sequences, sequences), 0
         value, path = float(sequences), 1.0
         for depth in range(1, cap + 1):
             path *= self.acceptance.reach(depth)
             value += sequences * path
-            seconds = self.cost.seconds(sequences * (depth + 1), sequences) + drafter.seconds(value, depth)
+            drafted = sequences * depth
+            seconds = self.step.seconds(sequences + drafted, sequences, drafted) + drafter.seconds(value, depth)
             if value / seconds > best:
                 best, best_depth = value / seconds, depth
         if best_depth or not cap:
@@ -219,3 +248,68 @@ class Planner:
         self.steps_since_drafting = 0
         self.explore_after = min(2 * self.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
         return 1
+
+
+CALL_AVERAGING = 0.2
+"""Weight of the newest step in DraftCallGate's averages."""
+
+
+@dataclass
+class _CallRecord:
+    saving: float | None = None
+    """Average seconds a call's trimmed drafts were expected to save (None before the first call)."""
+    cost: float = 0.0
+    """Average seconds a call cost the engine's thread: building and sending it, waiting for its trees."""
+    skipped: int = 0
+    explore_after: int = EXPLORE_EVERY
+    paid: bool = True
+
+
+class DraftCallGate:
+    """Whether a cheap drafter (suffix, prompt lookup, REST, ...) is called this step.
+
+    Its call costs the engine a few milliseconds whatever the planner keeps of its trees (an actor's
+    round trip, the drafting itself), and at a load where the planner keeps little, that is more
+    than the drafts save: speculation then runs slower than plain decoding. So each batch size
+    (bucketed in powers of two) averages what its calls cost and what its trims expected them to
+    save, and a call is made while the saving is the larger. A bucket whose calls stopped paying
+    still calls now and then (EXPLORE_EVERY, backing off as Planner.depth does), so a change of
+    prompts or load that makes drafting pay again is seen.
+    """
+
+    def __init__(self):
+        self._buckets: dict[int, _CallRecord] = {}
+
+    def _record(self, sequences: int) -> _CallRecord:
+        return self._buckets.setdefault(sequences.bit_length(), _CallRecord())
+
+    def calls(self, sequences: int) -> bool:
+        """Whether a batch of `sequences` requests calls the drafter this step."""
+        record = self._record(sequences)
+        if record.saving is None or record.saving > record.cost:
+            record.skipped = 0
+            return True
+        record.skipped += 1
+        if record.skipped < record.explore_after:
+            return False
+        record.skipped = 0
+        record.explore_after = min(2 * record.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
+        return True
+
+    def observe(self, sequences: int, saving: float, cost: float) -> None:
+        """A step of `sequences` requests called the drafter: its trims expected `saving` seconds; the call cost `cost`."""
+        record = self._record(sequences)
+        if record.saving is None:
+            record.saving, record.cost = saving, cost
+        else:
+            record.saving += CALL_AVERAGING * (saving - record.saving)
+            record.cost += CALL_AVERAGING * (cost - record.cost)
+        pays = record.saving > record.cost
+        if pays:
+            record.explore_after = EXPLORE_EVERY
+        if pays != record.paid:
+            record.paid = pays
+            low = 1 << (sequences.bit_length() - 1)
+            log.info("drafter calls %s for batches of %d-%d requests: their drafts are expected to save %.2f ms a "
+                     "step, a call costs %.2f ms", "resume" if pays else "stop", low, 2 * low - 1,
+                     1000 * record.saving, 1000 * record.cost)

@@ -193,6 +193,7 @@ class SpecEngine:
     def _submit_draft(self, group: int, states: list[ActiveRequest]) -> PendingDraft | None:
         if not self.drafters:
             return None
+        building = time.perf_counter()
         requests = self.speculation.drafts(states)
         self._hidden.idle({s.request_id for s in states} - {r.request_id for r in requests})
         if not requests:
@@ -205,8 +206,10 @@ class SpecEngine:
         taken = {r.request_id: self._hidden.take(r.request_id) for r in requests}
         outgoing = self._sent[index].outgoing([replace(r, hidden=taken[r.request_id]) for r in requests])
         submitted = time.perf_counter()  # before submit: a worker in this process drafts inside it
-        return PendingDraft(future=self.drafters[index].submit("propose", outgoing), drafter=index, submitted=submitted,
-                            request_ids=list(taken), rows=sum(len(r.token_ids) for r in outgoing), hidden=taken)
+        future = self.drafters[index].submit("propose", outgoing)
+        return PendingDraft(future=future, drafter=index, submitted=submitted, request_ids=list(taken),
+                            rows=sum(len(r.token_ids) for r in outgoing), hidden=taken,
+                            engine_seconds=time.perf_counter() - building)
 
     def _collect_draft(self, pending: PendingDraft | None) -> dict[str, DraftTree]:
         if pending is None:
@@ -222,12 +225,15 @@ class SpecEngine:
             if isinstance(error, WorkerTimeout):
                 self._stalled.add(self.drafters[pending.drafter], pending.future)
             self.counters.draft_failures += 1
+            pending.engine_seconds = None  # a failed call says nothing of what calls save
             log.warning("drafter failed (%s); %d requests decode without speculation this step",
                         error, len(pending.request_ids))
             return {}
         finally:
             done = time.perf_counter()
             self.counters.draft_wait_seconds += done - began
+            if pending.engine_seconds is not None:
+                pending.engine_seconds += done - began
         trees = reply.trees
         self._sent[pending.drafter].forget(reply.unknown)
         pending.give_back(self._hidden, reply.unknown, self.active)
@@ -300,8 +306,8 @@ class SpecEngine:
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
         pruned = [self._pruned(s, t) for s, t in zip(states, drafted)]
-        trim = self.speculation.trim
-        trees = trim(plan.decoding, pruned[:decoding], chunks) + trim(starting, pruned[decoding:], [])
+        trees = self.speculation.trim([(plan.decoding, pruned[:decoding], chunks), (starting, pruned[decoding:], [])],
+                                      None if pending is None else pending.engine_seconds)
         began = time.perf_counter()
         items = [_verify_item(s, t, i >= decoding and speculates(s), self._reads_verified and t.num_drafted > 0)
                  for i, (s, t) in enumerate(zip(states, trees))]
@@ -327,6 +333,9 @@ class SpecEngine:
         self.scheduler.prefilled(reply.prefill, reply.preempted, decoded_tokens=sum(tree.size for tree in trees))
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
+        sequences = len({s.request_id for s in states} | {seq_id for seq_id, _ in chunks})
+        self.speculation.observe_step(sum(tree.size for tree in trees) + sum(count for _, count in chunks), sequences,
+                                      sum(tree.num_drafted for tree in trees), time.perf_counter() - began)
         return [event for event in events if event is not None]
 
     def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted | Waiting,

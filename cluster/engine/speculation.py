@@ -6,9 +6,10 @@ accepted (`observe`) and what the draft call cost (`observe_drafter`). Behind it
 
 - per request (`RequestSpeculation`): its lookahead policy (speculators/lookahead.py), its acceptance
   gate (below) and how it fares against the shared acceptance predictions (`RequestAcceptance`);
-- per engine: the goodput planner over the target's cost curve (planner.py), which cuts trees to
-  what pays and tells a costly drafter how deep to draft, and that drafter's learned cost
-  (learned_cost.py).
+- per engine: the goodput planner over the target's cost curve corrected by observed steps
+  (planner.py, learned_cost.py), which cuts trees to what pays and tells a costly drafter how deep
+  to draft, with that drafter's learned cost; for a cheap drafter, the gate on calling it at all
+  (`DraftCallGate`): its call costs the same whatever the planner keeps.
 
 A request's own lookahead only bounds what it drafts; the planner, when on, decides what pays.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.cost import CostCurve
 from cluster.engine.learned_cost import DrafterCost
-from cluster.engine.planner import Planned, Planner, RequestAcceptance, path_probabilities
+from cluster.engine.planner import DraftCallGate, Planned, Planner, RequestAcceptance, path_probabilities
 from cluster.engine.request import GenerationRequest
 from cluster.engine.sequence import ActiveRequest
 from speculators.lookahead import LookaheadPolicy, make_policy
@@ -98,6 +99,8 @@ class SpeculationController:
         self.costly_drafter = costly_drafter
         """A draft model or trained head, which pays per drafted depth: told how deep to draft before it runs."""
         self.drafter_cost = DrafterCost()
+        self.call_gate = DraftCallGate() if self.planner is not None and not costly_drafter else None
+        """Whether a cheap drafter is called this step (a costly one is told its depth instead, down to none)."""
 
     def for_request(self, request: GenerationRequest) -> RequestSpeculation:
         config = self.config
@@ -109,8 +112,11 @@ class SpeculationController:
 
         Each request drafts what its lookahead, its gate, the room left in its output and cache and
         (when set) its share of `step_token_budget` allow. For a costly drafter the planner's depth
-        bounds every request; a request's own lookahead bounds it further, never lifts the cap.
+        bounds every request; a request's own lookahead bounds it further, never lifts the cap. A
+        cheap drafter is not called at a batch size where its calls cost more than they save.
         """
+        if self.call_gate is not None and not self.call_gate.calls(len(states)):
+            return []
         depth_cap = None
         if self.planner is not None and self.costly_drafter:
             cap = max((s.speculation.policy.depth() for s in states), default=0)
@@ -146,17 +152,30 @@ class SpeculationController:
             depth = max((tree.max_depth for tree in trees), default=0)
             self.drafter_cost.observe(rows, depth, seconds)
 
-    def trim(self, states: Sequence[ActiveRequest], trees: list[DraftTree],
-             chunks: Sequence[tuple[str, int]]) -> list[DraftTree]:
-        """Trees cut to what pays this step (all of them verified as drafted without a planner). A
-        request's own lookahead only bounded what was drafted; the planner still keeps what pays,
-        counting the prompt chunks that share the pass."""
-        if self.planner is None or not trees:
-            return trees
-        return self.planner.trim([
-            Planned(tree, trimmable=tree.draft_probs is None, factor=state.speculation.acceptance.factor)
-            for state, tree in zip(states, trees)
-        ], sum(count for _, count in chunks), len(chunks))
+    def trim(self, parts: Sequence[tuple[Sequence[ActiveRequest], list[DraftTree], Sequence[tuple[str, int]]]],
+             call_seconds: float | None = None) -> list[DraftTree]:
+        """Trees cut to what pays this step (all of them verified as drafted without a planner), for
+        each part of the pass priced on its own: (requests, their trees, the prompt chunks that share
+        its pass). A request's own lookahead only bounded what was drafted; the planner still keeps
+        what pays. `call_seconds`: what the engine spent on this step's draft call, None if it made none."""
+        if self.planner is None:
+            return [tree for _, trees, _ in parts for tree in trees]
+        kept, saving = [], 0.0
+        for states, trees, chunks in parts:
+            if trees:
+                kept += self.planner.trim([
+                    Planned(tree, trimmable=tree.draft_probs is None, factor=state.speculation.acceptance.factor)
+                    for state, tree in zip(states, trees)
+                ], sum(count for _, count in chunks), len(chunks))
+                saving += self.planner.last_saving
+        if call_seconds is not None and self.call_gate is not None:
+            self.call_gate.observe(sum(len(states) for states, _, _ in parts), saving, call_seconds)
+        return kept
+
+    def observe_step(self, tokens: int, sequences: int, drafted: int, seconds: float) -> None:
+        """A verification step's size and wall time, for the planner's price of a step."""
+        if self.planner is not None:
+            self.planner.step.observe(tokens, sequences, drafted, seconds)
 
     def observe(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult) -> None:
         """One verification of the request's tree, for its lookahead, its gate and the acceptance learned."""

@@ -11,8 +11,16 @@ from cluster.engine import cost
 from cluster.engine.build import local_engine
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.cost import CostCurve, CostPoint, measure, shapes_for
-from cluster.engine.learned_cost import DrafterCost
-from cluster.engine.planner import EXPLORE_EVERY, Acceptance, Planned, Planner, path_probabilities, subtree
+from cluster.engine.learned_cost import DrafterCost, StepCost
+from cluster.engine.planner import (
+    EXPLORE_EVERY,
+    Acceptance,
+    DraftCallGate,
+    Planned,
+    Planner,
+    path_probabilities,
+    subtree,
+)
 from cluster.engine.request import GenerationRequest
 from speculators.lookahead import LookaheadConfig
 from speculators.proposers.prompt_lookup import PromptLookupProposer
@@ -72,6 +80,44 @@ def test_trimming_keeps_parents_with_children_and_remaps_the_tree():
     planner.acceptance = calibrated({0.9: 0.9, 0.2: 0.2})
     trimmed = planner.trim([Planned(tree, True)])[0]
     assert trimmed.token_ids[:3] == [0, 5, 6] and 8 not in trimmed.token_ids
+
+
+def test_a_step_is_priced_by_what_steps_took_not_only_by_the_curve():
+    """Served, a step pays what the startup curve never timed: here 1.3x the curve, 3 ms more, and 2 ms
+    a drafted token for verifying it."""
+    timed = curve(per_token=0.002, base=0.02, flat_until=4)
+    step = StepCost(timed)
+    assert step.seconds(8, 4, drafted=4) == pytest.approx(timed.seconds(8, 4))  # nothing seen: the curve
+    served = lambda tokens, drafted: 1.3 * timed.seconds(tokens, 4) + 0.003 + 0.002 * drafted  # noqa: E731
+    for drafted in [0, 4, 12, 1, 20, 0, 8, 2] * 40:
+        step.observe(4 + drafted, 4, drafted, served(4 + drafted, drafted))
+    for drafted in (0, 6, 16):
+        assert step.seconds(4 + drafted, 4, drafted) == pytest.approx(served(4 + drafted, drafted), rel=0.05)
+
+
+def test_a_planner_that_sees_drafted_tokens_cost_more_than_the_curve_keeps_fewer():
+    likely = chain(6, 0.9)
+    planner = Planner(curve(per_token=0.0, base=0.02, flat_until=64))
+    planner.acceptance = calibrated({0.9: 0.9})
+    assert planner.trim([Planned(likely, True)])[0].num_drafted == 6
+    assert planner.last_saving > 0
+    for drafted in [0, 3, 6, 1] * 50:  # each drafted token doubled the step
+        planner.step.observe(1 + drafted, 1, drafted, 0.02 * (1 + drafted))
+    assert planner.trim([Planned(likely, True)])[0].num_drafted == 0
+    assert planner.last_saving == 0
+
+
+def test_a_drafter_call_that_costs_more_than_it_saves_is_made_only_now_and_then():
+    gate = DraftCallGate()
+    assert gate.calls(4)  # nothing known yet
+    gate.observe(4, saving=0.001, cost=0.004)
+    calls = [gate.calls(4) for _ in range(7 * EXPLORE_EVERY)]
+    assert [step for step, called in enumerate(calls, start=1) if called] == [EXPLORE_EVERY, 3 * EXPLORE_EVERY,
+                                                                             7 * EXPLORE_EVERY]
+    assert gate.calls(1) and gate.calls(16)  # other batch sizes keep their own record
+    for _ in range(10):  # prompts that pay again, seen by an exploring call
+        gate.observe(4, saving=0.02, cost=0.004)
+    assert all(gate.calls(4) for _ in range(3 * EXPLORE_EVERY))
 
 
 def test_acceptance_learns_what_the_target_accepts():
@@ -229,3 +275,29 @@ def test_an_in_process_drafters_time_reaches_the_stats_and_the_planner(tiny_mode
                                                 lookahead=LookaheadConfig(policy="fixed", num_speculative_tokens=3))])[0]
     assert output.stats.draft_seconds >= 0.015 * output.stats.target_forwards  # asked at (nearly) every step
     assert engine.speculation.drafter_cost.seconds(1, 3) > 0.01  # microseconds when timed after submit
+
+
+class SlowCheapLookup(PromptLookupProposer):
+    """Prompt lookup whose every call takes 30 ms, as an actor's round trip on a loaded machine can:
+    no model, so nothing tells the planner its depth matters, only the call."""
+
+    calls = 0
+
+    def propose(self, requests):
+        SlowCheapLookup.calls += 1
+        time.sleep(0.03)
+        return super().propose(requests)
+
+
+def test_a_cheap_drafter_whose_calls_cost_more_than_they_save_stops_being_called(tiny_model):
+    """Passes of the tiny target take a millisecond: no draft saves 30 ms, so after its first calls the
+    drafter is asked only when the gate explores, and the output is plain decoding's."""
+    model, reference = tiny_model
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    engine = local_engine(model, IdTokenizer(), SlowCheapLookup(), SchedulerConfig(max_sequences=2, max_len=256),
+                          cost=True)
+    output = engine.generate([GenerationRequest("r", prompt, max_new_tokens=64)])[0]
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    assert output.token_ids == expected[0, len(prompt):].tolist()
+    assert output.stats.target_forwards > 30
+    assert SlowCheapLookup.calls <= 5
