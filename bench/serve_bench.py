@@ -105,10 +105,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def latency(answers: list[Answer]) -> dict:
+    """Time to first token and inter-token latency percentiles, and the median request's whole
+    latency (a first token's p90 past it means prompts wait longer than requests take)."""
     first = [a.first_token_s for a in answers]
     gaps = [a.inter_token_s for a in answers if a.inter_token_s is not None]
-    return {"ttft_p50_s": percentile(first, 0.5), "ttft_p99_s": percentile(first, 0.99),
-            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
+    return {"ttft_p50_s": percentile(first, 0.5), "ttft_p90_s": percentile(first, 0.9),
+            "ttft_p99_s": percentile(first, 0.99), "itl_p50_s": percentile(gaps, 0.5),
+            "itl_p99_s": percentile(gaps, 0.99), "latency_p50_s": percentile([a.seconds for a in answers], 0.5)}
 
 
 def questions_per_round(level: int) -> int:

@@ -10,8 +10,9 @@ of its own (a keyless deployment is one tenant: no setting is handed another's p
 served benchmark's own streaming client: chat completions, greedy, `max_tokens` new tokens.
 
 Per server and level: output tokens/s (all tokens / wall time; median over rounds, and every
-round), the ratio to vLLM's plain run with its defaults, time to first token and inter-token
-latency p50/p99, and how many greedy texts equal specserve's plain decoding of the same prompt.
+round), the ratio to vLLM's plain run with its defaults, time to first token p50/p90/p99, the
+median request's latency, inter-token latency p50/p99, and how many greedy texts equal specserve's
+plain decoding of the same prompt.
 """
 from __future__ import annotations
 
@@ -141,15 +142,16 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| streams | server | tokens/s | vs vLLM plain | TTFT p50 / p99 s | ITL p50 / p99 ms | same text as "
-             "specserve plain | rounds |", "|---:|---|---:|---:|---|---|---:|---|"]
+    lines = ["| streams | server | tokens/s | vs vLLM plain | TTFT p50 / p90 / p99 s | latency p50 s | ITL p50 / p99 ms "
+             "| same text as specserve plain | rounds |", "|---:|---|---:|---:|---|---:|---|---:|---|"]
     for level, rows in report["by_concurrency"].items():
         for name, row in rows.items():
             lat = row["latency"]
             ratio = "-" if row["vs_vllm"] is None else f"{row['vs_vllm']:.2f}x"
             same = "-" if row["same_as_specserve_plain"] is None else f"{row['same_as_specserve_plain']}/{row['requests']}"
             lines.append(f"| {level} | {name} | {row['tokens_per_s']:.1f} | {ratio} | {lat['ttft_p50_s']:.2f} / "
-                         f"{lat['ttft_p99_s']:.2f} | {1e3 * lat['itl_p50_s']:.0f} / {1e3 * lat['itl_p99_s']:.0f} | "
+                         f"{lat['ttft_p90_s']:.2f} / {lat['ttft_p99_s']:.2f} | {lat['latency_p50_s']:.2f} | "
+                         f"{1e3 * lat['itl_p50_s']:.0f} / {1e3 * lat['itl_p99_s']:.0f} | "
                          f"{same} | {', '.join(f'{r:.1f}' for r in row['rounds'])} |")
     head = (f"Side by side on {report['machine']['processor']} ({report['machine']['cpus']} CPUs), "
             f"{report['date']}: one server at a time, Spec-Bench first turns (a set of their own per level), "

@@ -1,8 +1,10 @@
 """The side-by-side harness's own logic: disjoint prompts, the vLLM model folder and settings, the table."""
 import json
 
+import pytest
+
 from bench import side_by_side, vllm_peer
-from bench.serve_bench import Answer
+from bench.serve_bench import Answer, latency
 
 
 def _questions(count):
@@ -51,6 +53,14 @@ def test_summary_compares_with_vllm_and_specserve_plain():
     report = {"by_concurrency": {"1": rows}, "machine": {"processor": "x86_64", "cpus": 2}, "date": "today",
               "config": {"max_new_tokens": 128}, "notes": {}, "command": "specserve bench side-by-side"}
     assert "| 1 | specserve | 15.0 | 1.50x |" in side_by_side.markdown(report)
+
+
+def test_latency_gives_the_first_tokens_p90_beside_the_median_requests_whole_latency():
+    """The issue's check at 32 streams of long prompts: TTFT p90 below the median request's latency."""
+    answers = [Answer("a", 10, first, first + 2.0, None) for first in (0.1, 0.2, 0.3, 0.4, 5.0)]
+    summary = latency(answers)
+    assert summary["ttft_p90_s"] > summary["latency_p50_s"] == pytest.approx(2.3)
+    assert summary["ttft_p50_s"] == pytest.approx(0.3)
 
 
 def test_the_served_benchmark_refuses_too_few_questions_before_sending_any(tmp_path, monkeypatch):
