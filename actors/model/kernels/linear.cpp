@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "dtype_io.h"
@@ -175,21 +176,25 @@ void tile(const T* x, const T* weight, const T* bias, T* y, int64_t width, int64
     }
 }
 
-template <int64_t Outputs, typename T>
-void tile_rows(int64_t rows, const T* x, const T* weight, const T* bias, T* y, int64_t width, int64_t x_stride,
-               int64_t y_stride) {
-  switch (rows) {
-    case 1: tile<1, Outputs>(x, weight, bias, y, width, x_stride, y_stride); break;
-    case 2: tile<2, Outputs>(x, weight, bias, y, width, x_stride, y_stride); break;
-    case 3: tile<3, Outputs>(x, weight, bias, y, width, x_stride, y_stride); break;
-    default: tile<kTileRows, Outputs>(x, weight, bias, y, width, x_stride, y_stride);
-  }
+// Calls body(rows, count) with both as compile-time constants (std::integral_constant): `rows` is 1,
+// 2, 3 or MaxRows (a row count past 3 is a full tile of MaxRows), `count` from 1 to MaxCount. Both
+// product kernels tile this way: every tile shape is its own unrolled loop.
+template <int64_t MaxRows, int64_t... Counts, typename Body>
+void each_count(std::integer_sequence<int64_t, Counts...>, int64_t rows, int64_t count, Body& body) {
+  const auto with_rows = [&](auto count_constant) {
+    switch (rows) {
+      case 1: body(std::integral_constant<int64_t, 1>{}, count_constant); break;
+      case 2: body(std::integral_constant<int64_t, 2>{}, count_constant); break;
+      case 3: body(std::integral_constant<int64_t, 3>{}, count_constant); break;
+      default: body(std::integral_constant<int64_t, MaxRows>{}, count_constant);
+    }
+  };
+  ((count == Counts + 1 && (with_rows(std::integral_constant<int64_t, Counts + 1>{}), true)) || ...);
 }
 
-template <typename T, int64_t... Counts>
-void any_tile(std::integer_sequence<int64_t, Counts...>, int64_t rows, int64_t outputs, const T* x, const T* weight,
-              const T* bias, T* y, int64_t width, int64_t x_stride, int64_t y_stride) {
-  ((outputs == Counts + 1 && (tile_rows<Counts + 1>(rows, x, weight, bias, y, width, x_stride, y_stride), true)) || ...);
+template <int64_t MaxRows, int64_t MaxCount, typename Body>
+void tile_shape(int64_t rows, int64_t count, Body body) {
+  each_count<MaxRows>(std::make_integer_sequence<int64_t, MaxCount>{}, rows, count, body);
 }
 
 template <typename T>
@@ -210,9 +215,11 @@ void product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<
         for (int64_t o = o_begin; o < o_end; o += kTileOutputs) {
           const int64_t n = std::min(kTileOutputs, o_end - o);
           for (int64_t r = panel; r < panel_end; r += kTileRows)
-            any_tile(std::make_integer_sequence<int64_t, kTileOutputs>{}, std::min(kTileRows, panel_end - r), n,
-                     xs + r * x_stride, ws + o * width,
-                     bs == nullptr ? nullptr : bs + o, ys + r * outputs + o, width, x_stride, outputs);
+            tile_shape<kTileRows, kTileOutputs>(std::min(kTileRows, panel_end - r), n, [&](auto tile_rows, auto count) {
+              tile<decltype(tile_rows)::value, decltype(count)::value>(xs + r * x_stride, ws + o * width,
+                                                                       bs == nullptr ? nullptr : bs + o,
+                                                                       ys + r * outputs + o, width, x_stride, outputs);
+            });
         }
       }
     }
@@ -275,24 +282,6 @@ void pair_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t p
   }
 }
 
-template <int64_t Blocks>
-void pair_tile_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs,
-                    const float* bias, uint16_t* y, int64_t y_stride, int64_t valid_outputs) {
-  switch (rows) {
-    case 1: pair_tile<1, Blocks>(x, x_stride, w, pairs, bias, y, y_stride, valid_outputs); break;
-    case 2: pair_tile<2, Blocks>(x, x_stride, w, pairs, bias, y, y_stride, valid_outputs); break;
-    case 3: pair_tile<3, Blocks>(x, x_stride, w, pairs, bias, y, y_stride, valid_outputs); break;
-    default: pair_tile<kPairRows, Blocks>(x, x_stride, w, pairs, bias, y, y_stride, valid_outputs);
-  }
-}
-
-template <int64_t... Counts>
-void any_pair_tile(std::integer_sequence<int64_t, Counts...>, int64_t blocks, int64_t rows, const uint16_t* x,
-                   int64_t x_stride, const uint16_t* w, int64_t pairs, const float* bias, uint16_t* y, int64_t y_stride,
-                   int64_t valid_outputs) {
-  ((blocks == Counts + 1 &&
-    (pair_tile_rows<Counts + 1>(rows, x, x_stride, w, pairs, bias, y, y_stride, valid_outputs), true)) || ...);
-}
 #endif
 
 at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& paired, const c10::optional<at::Tensor>& bias,
@@ -319,10 +308,14 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& paired, const c10
       for (int64_t group = first; group < last; ++group) {
         const int64_t block = group * kPairBlocks, count = std::min(kPairBlocks, blocks - block);
         const int64_t output = block * 16, valid = std::min(count * 16, outputs - output);
-        for (int64_t r = panel; r < panel_end; r += kPairRows)
-          any_pair_tile(std::make_integer_sequence<int64_t, kPairBlocks>{}, count, std::min(kPairRows, panel_end - r),
-                        xs + r * x_stride, x_stride, ws + block * block_elements, pairs,
-                        bs == nullptr ? nullptr : bs + output, ys + r * outputs + output, outputs, valid);
+        for (int64_t r = panel; r < panel_end; r += kPairRows) {
+          const auto tile = [&](auto tile_rows, auto tile_blocks) {
+            pair_tile<decltype(tile_rows)::value, decltype(tile_blocks)::value>(
+                xs + r * x_stride, x_stride, ws + block * block_elements, pairs, bs == nullptr ? nullptr : bs + output,
+                ys + r * outputs + output, outputs, valid);
+          };
+          tile_shape<kPairRows, kPairBlocks>(std::min(kPairRows, panel_end - r), count, tile);
+        }
       }
     }
   });
