@@ -57,8 +57,10 @@ class StepCost:
     committing and streaming, and the serving path's threads on the same cores. Steps are fitted
     online as the curve plus a correction, `fixed + scale * curve + per_drafted * drafted`, shrunk
     towards no correction (PRIOR_STEPS): a drafted token may cost more than a prompt token of the
-    same pass, and a served step more than a timed one. `per_drafted` is kept non-negative:
-    verifying a drafted token never saves time.
+    same pass, and a served step more than a timed one. Every coefficient is kept non-negative (the
+    fit is solved as non-negative least squares): the curve is the fastest each pass ran, so a step
+    only ever adds to it, and a step that ran faster (a shorter context than the curve's) never
+    makes drafted tokens look cheaper than the curve says.
     """
 
     def __init__(self, curve: CostCurve):
@@ -81,11 +83,28 @@ class StepCost:
         x = self._features(forward, drafted)
         self._xx = STEP_MEMORY * self._xx + np.outer(x, x)
         self._xy = STEP_MEMORY * self._xy + x * (seconds - forward)
-        correction = np.linalg.solve(self._xx + self._ridge, self._xy)
-        correction[2] = max(correction[2], 0.0)
-        self._correction = correction
+        self._correction = _non_negative_solve(self._xx + self._ridge, self._xy)
 
     def seconds(self, tokens: int, sequences: int = 1, drafted: int = 0) -> float:
         """Expected seconds of a step of `tokens` tokens over `sequences`, `drafted` of them drafted."""
         forward = self.curve.seconds(tokens, sequences)
-        return max(forward + float(self._features(forward, drafted) @ self._correction), 0.1 * forward)
+        return forward + float(self._features(forward, drafted) @ self._correction)
+
+
+def _non_negative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """argmin over w >= 0 of w' gram w - 2 moment' w (gram positive definite): the best of the
+    unconstrained solutions over each subset of the coefficients that come out non-negative; three
+    coefficients make eight subsets."""
+    size = len(moment)
+    best, best_value = np.zeros(size), 0.0
+    for subset in range(1, 2 ** size):
+        free = [i for i in range(size) if subset >> i & 1]
+        part = np.linalg.solve(gram[np.ix_(free, free)], moment[free])
+        if (part < 0).any():
+            continue
+        candidate = np.zeros(size)
+        candidate[free] = part
+        value = candidate @ gram @ candidate - 2 * moment @ candidate
+        if value < best_value:
+            best, best_value = candidate, value
+    return best

@@ -12,6 +12,7 @@ from cluster.engine.request import GenerationOutput, GenerationRequest
 from cluster.engine.stats import RequestStats
 from cluster.engine.text import OutputText
 from speculators.logprobs import TokenLogprob
+from speculators.tree import DraftTree
 
 if TYPE_CHECKING:  # speculation.py, which makes it, imports this module
     from cluster.engine.speculation import RequestSpeculation
@@ -78,6 +79,14 @@ class ActiveRequest:
             del self.logprobs[len(self.output):]
             self.finish_reason = "stop"
         return self.output[before:], update.text
+
+    def pruned(self, tree: DraftTree) -> DraftTree:
+        """The tree without drafted tokens the request's grammar rules out (counted in its stats)."""
+        if self.rules is None:
+            return tree
+        tree, pruned = self.rules.prune(tree)
+        self.stats.grammar_pruned += pruned
+        return tree
 
     def fail(self, reason: str) -> None:
         self.finish_reason, self.error = "error", reason

@@ -257,15 +257,6 @@ class SpecEngine:
                         request_id, problem)
         return problem is None
 
-    @staticmethod
-    def _pruned(state: ActiveRequest, tree: DraftTree) -> DraftTree:
-        """The tree without drafted tokens the request's grammar rules out (counted in its stats)."""
-        if state.rules is None:
-            return tree
-        tree, pruned = state.rules.prune(tree)
-        state.stats.grammar_pruned += pruned
-        return tree
-
     def _check_starts(self) -> list[StepEvent]:
         """Prefills run without a wait; a batch whose prefill failed ends here, before any verify."""
         events = []
@@ -305,7 +296,7 @@ class SpecEngine:
         pending = self._pending_drafts.pop(group, None) or self._submit_draft(group, drafting)
         trees_by_id = self._collect_draft(pending)
         drafted = [trees_by_id.get(s.request_id) or DraftTree.root_only(s.tokens[-1]) for s in states]
-        pruned = [self._pruned(s, t) for s, t in zip(states, drafted)]
+        pruned = [s.pruned(t) for s, t in zip(states, drafted)]
         trees = self.speculation.trim([(plan.decoding, pruned[:decoding], chunks), (starting, pruned[decoding:], [])],
                                       None if pending is None else pending.engine_seconds)
         began = time.perf_counter()
@@ -333,9 +324,7 @@ class SpecEngine:
         self.scheduler.prefilled(reply.prefill, reply.preempted, decoded_tokens=sum(tree.size for tree in trees))
         events = [self._apply(state, tree, result, seconds / len(states))
                   for state, tree, result in zip(states, trees, reply.results)]
-        sequences = len({s.request_id for s in states} | {seq_id for seq_id, _ in chunks})
-        self.speculation.observe_step(sum(tree.size for tree in trees) + sum(count for _, count in chunks), sequences,
-                                      sum(tree.num_drafted for tree in trees), time.perf_counter() - began)
+        self.speculation.observe_step(states, trees, chunks, time.perf_counter() - began)
         return [event for event in events if event is not None]
 
     def _apply(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult | RequestFailed | Preempted | Waiting,

@@ -172,10 +172,14 @@ class SpeculationController:
             self.call_gate.observe(sum(len(states) for states, _, _ in parts), saving, call_seconds)
         return kept
 
-    def observe_step(self, tokens: int, sequences: int, drafted: int, seconds: float) -> None:
-        """A verification step's size and wall time, for the planner's price of a step."""
+    def observe_step(self, states: Sequence[ActiveRequest], trees: Sequence[DraftTree],
+                     chunks: Sequence[tuple[str, int]], seconds: float) -> None:
+        """A verification step (these requests' trees, these prompt chunks) took `seconds`: for the
+        planner's price of a step."""
         if self.planner is not None:
-            self.planner.step.observe(tokens, sequences, drafted, seconds)
+            sequences = len({s.request_id for s in states} | {seq_id for seq_id, _ in chunks})
+            tokens = sum(tree.size for tree in trees) + sum(count for _, count in chunks)
+            self.planner.step.observe(tokens, sequences, sum(tree.num_drafted for tree in trees), seconds)
 
     def observe(self, state: ActiveRequest, tree: DraftTree, result: VerifyResult) -> None:
         """One verification of the request's tree, for its lookahead, its gate and the acceptance learned."""

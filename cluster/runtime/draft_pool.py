@@ -61,6 +61,8 @@ class DraftPool:
         self._incarnation, self._changes = uuid.uuid4().hex[:8], 0
         """The members' version: a restarted keeper (new drafters) never repeats an earlier one."""
         self.clients: dict[str, float] = {}  # client id -> last heard from
+        self._ending = False
+        """Set when the pool ends: a drafter placed after that is let go at once."""
         self.window, self._low_since = Window(), None
         self._decided = time.monotonic()
         self._lock = threading.Lock()
@@ -86,17 +88,24 @@ class DraftPool:
         while len(self.members) < size:
             member = self._place()
             with self._lock:
-                self.members, self._changes = [*self.members, member], self._changes + 1
+                ending = self._ending
+                if not ending:
+                    self.members, self._changes = [*self.members, member], self._changes + 1
+            if ending:
+                _let_go(member)
+                return
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
-        while len(self.members) > size:
+        while self.members and len(self.members) > size:
             self._remove(self.members[-1])
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
 
     def _remove(self, member: Member) -> None:
+        """Take a member out and let it go; a member already taken out (by the other thread) is left be."""
         with self._lock:
+            present = any(m is member for m in self.members)
             self.members, self._changes = [m for m in self.members if m is not member], self._changes + 1
-        ray.kill(member.actor)
-        remove_placement_group(member.group)
+        if present:
+            _let_go(member)
 
     def _replace_hung(self) -> None:
         """A drafter that missed member_misses health checks in a row goes, and a new one takes its place
@@ -164,8 +173,11 @@ class DraftPool:
         return len(self.members)
 
     def _watch(self) -> None:
-        """Resize on the reported waits; drop silent clients; end the pool when none is left."""
-        period = self.pool.report_period_s
+        """Resize on the reported waits; drop silent clients; end the pool when none is left.
+        Replacing and resizing run on a thread of their own, one change at a time: placing a drafter
+        may take placement_timeout_s, and meanwhile this loop still hears clients leave and ends
+        the pool on time (a change in flight then dies with the keeper)."""
+        period, change = self.pool.report_period_s, None
         while True:
             time.sleep(period)
             size = None
@@ -185,16 +197,29 @@ class DraftPool:
                         self._wait_gauge.set(fraction, {"pool": self.pool.name})
                     size, self._low_since = decide_size(len(self.members), fraction, self.pool, self._low_since, now)
                     self.window, self._decided = Window(), now
-            self._replace_hung()
-            if size is not None:
-                try:
-                    self._resize(max(size, self.pool.min_drafters))  # min_drafters: after a replacement found no room
-                except PlacementError as error:  # no room now; the next decision tries again
-                    log.warning("%s", error)
+            if change is None or not change.is_alive():  # a decision made while one is in flight waits for the next
+                change = threading.Thread(target=self._change, args=(size,), daemon=True, name="draft-pool-change")
+                change.start()
             self._drafters_gauge.set(len(self.members), {"pool": self.pool.name})
         log.info("draft pool %s: no replica for %g s; ending", self.pool.name, self.pool.idle_shutdown_s)
+        with self._lock:
+            self._ending = True
         self._resize(0)
         ray.kill(ray.get_runtime_context().current_actor)  # detached: nobody else ends it
+
+    def _change(self, size: int | None) -> None:
+        """Replace hung drafters, then resize to `size` (None: keep the size)."""
+        self._replace_hung()
+        if size is not None:
+            try:
+                self._resize(max(size, self.pool.min_drafters))  # min_drafters: after a replacement found no room
+            except PlacementError as error:  # no room now; the next decision tries again
+                log.warning("%s", error)
+
+
+def _let_go(member: Member) -> None:
+    ray.kill(member.actor)
+    remove_placement_group(member.group)
 
 
 def _describe(bundle: dict[str, float]) -> str:

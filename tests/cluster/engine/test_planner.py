@@ -2,6 +2,7 @@
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,31 @@ def test_a_step_is_priced_by_what_steps_took_not_only_by_the_curve():
         step.observe(4 + drafted, 4, drafted, served(4 + drafted, drafted))
     for drafted in (0, 6, 16):
         assert step.seconds(4 + drafted, 4, drafted) == pytest.approx(served(4 + drafted, drafted), rel=0.05)
+
+
+def test_steps_faster_than_the_curve_never_make_drafted_tokens_cheaper_than_it_says():
+    """The curve is the fastest each pass ran: a step that ran faster (a shorter context, a curve
+    timed on a slower day) leaves the price at the curve instead of cutting what a token costs."""
+    timed = curve(per_token=0.01, base=0.01)
+    planner = Planner(timed)
+    for drafted in [0, 3, 6, 1] * 50:  # every step took a tenth of what the curve says
+        planner.step.observe(1 + drafted, 1, drafted, 0.1 * timed.seconds(1 + drafted))
+    for drafted in (0, 3, 6):
+        assert planner.step.seconds(1 + drafted, 1, drafted) == pytest.approx(timed.seconds(1 + drafted))
+    planner.acceptance = calibrated({0.3: 0.3})
+    assert planner.trim([Planned(chain(6, 0.3), True)])[0].num_drafted == 0  # a token costs a whole step
+
+
+def test_the_step_fit_is_the_least_squares_fit_with_no_negative_coefficient():
+    from scipy.optimize import nnls
+
+    from cluster.engine.learned_cost import _non_negative_solve
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        features, seconds = rng.normal(size=(20, 3)), rng.normal(size=20)
+        expected, _ = nnls(features, seconds)
+        assert _non_negative_solve(features.T @ features, features.T @ seconds) == pytest.approx(expected, abs=1e-9)
 
 
 def test_a_planner_that_sees_drafted_tokens_cost_more_than_the_curve_keeps_fewer():

@@ -41,10 +41,10 @@ def pooled_spec(model_dir, name: str, **pool) -> ClusterSpec:
                                                                **pool))
 
 
-def pool_is_gone(name: str, timeout_s: float = 60) -> bool:
-    """Whether the pool ended within `timeout_s`: its idle_shutdown_s after the last replica leaves,
-    plus a replacement it may be placing then (up to placement_timeout_s, 30 s: on a loaded 2-core CI
-    machine a drafter can miss its health checks during a test and be replaced)."""
+def pool_is_gone(name: str, timeout_s: float = 30) -> bool:
+    """Whether the pool ended within `timeout_s`: its idle_shutdown_s after the last replica leaves.
+    A replacement it may be placing then (on a loaded 2-core CI machine a drafter can miss its health
+    checks during a test) does not delay that: placing runs beside the keeper's watch."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
