@@ -90,7 +90,8 @@ class SpecEngine:
         every request drafts what its lookahead allows. A `costly_drafter` (a draft model, which pays
         a forward pass per drafted depth) is also told how deep to draft before it runs."""
         self.target, self.tokenizer, self.config = target, tokenizer, config
-        self.speculation = SpeculationController(config, cost, costly_drafter)
+        self.counters = EngineCounters()
+        self.speculation = SpeculationController(config, cost, costly_drafter, self.counters)
         self.vocab_size = vocab_size
         self.drafters = list(drafters)
         self._sent = [SentTokens() for _ in self.drafters]
@@ -98,7 +99,6 @@ class SpecEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.counters = EngineCounters()
         self.scheduler = Scheduler(config, self.counters, vocab_size, release=self._forget_drafts, cost=cost)
         self._pending_drafts: dict[int, PendingDraft] = {}
         self._pending_starts: list[tuple[Future, list[str]]] = []

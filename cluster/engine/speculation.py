@@ -24,6 +24,7 @@ from cluster.engine.learned_cost import DrafterCost
 from cluster.engine.planner import DraftCallGate, Planned, Planner, RequestAcceptance, path_probabilities
 from cluster.engine.request import GenerationRequest
 from cluster.engine.sequence import ActiveRequest
+from cluster.engine.stats import EngineCounters
 from speculators.lookahead import LookaheadPolicy, make_policy
 from speculators.proposers.base import DraftRequest, VerifiedTree
 from speculators.tree import DraftTree
@@ -91,8 +92,10 @@ class SpeculationController:
     """Every decision on draft length in one place, so that a verification result reaches each learner
     once and in one order, and the engine only asks and tells."""
 
-    def __init__(self, config: SchedulerConfig, cost: CostCurve | None = None, costly_drafter: bool = False):
+    def __init__(self, config: SchedulerConfig, cost: CostCurve | None = None, costly_drafter: bool = False,
+                 counters: EngineCounters | None = None):
         self.config = config
+        self.counters = counters or EngineCounters()
         self.planner = None if cost is None else Planner(cost)
         """Goodput-based sizing over the target's cost curve; None: every request drafts what its
         lookahead allows and every tree is verified as drafted."""
@@ -116,6 +119,7 @@ class SpeculationController:
         cheap drafter is not called at a batch size where its calls cost more than they save.
         """
         if self.call_gate is not None and not self.call_gate.calls(len(states)):
+            self.counters.draft_calls_skipped += 1
             return []
         depth_cap = None
         if self.planner is not None and self.costly_drafter:

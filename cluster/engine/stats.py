@@ -53,6 +53,9 @@ class EngineCounters:
     verify_seconds: float = 0.0
     draft_wait_seconds: float = 0.0
     draft_failures: int = 0
+    draft_calls_skipped: int = 0
+    """Steps that did not call a cheap drafter because, at their batch size, its calls cost more than
+    they saved (speculation then runs as plain decoding: planner.DraftCallGate)."""
     bad_trees: int = 0
     """Drafted trees dropped before verification (wrong root, tokens outside the vocabulary, ...)."""
     target_failures: int = 0

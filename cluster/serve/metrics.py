@@ -3,8 +3,8 @@
 Per request: counts, tokens, time to first token, inter-token latency, drafted and accepted
 tokens and acceptance by draft position. Per replica, sampled every `SAMPLE_PERIOD_S`: queue
 depth, active requests, mean accepted tokens and the mean draft-wait and verify time of a step
-over the last period, prompt tokens admitted and found in the prefix cache, preemptions, and the
-KV cache blocks in use. The same sample feeds the autoscaling policy.
+over the last period, prompt tokens admitted and found in the prefix cache, preemptions, draft
+calls skipped because they would not pay, and the KV cache blocks in use. The same sample feeds the autoscaling policy.
 
 Mean accepted tokens is counted per request: a pass that verifies 8 requests and gains one token for
 each is 1 token per pass (plain decoding), not 8. Samples are taken by the replica's event loop and
@@ -47,6 +47,8 @@ NAMES = {
     "specserve_drafter_failures": "draft calls that failed or timed out (kind=call) and drafted trees dropped as malformed "
                                   "(kind=bad_tree); each costs its requests one plain step",
     "specserve_target_failures": "target worker groups that failed (their requests ended with a retryable error)",
+    "specserve_draft_calls_skipped": "steps that did not call the drafter because, at their batch size, its calls "
+                                     "cost more than they saved (those steps decode plainly)",
 }
 
 
@@ -71,6 +73,7 @@ class ServingMetrics:
         self.active = Gauge("specserve_active_requests", d["specserve_active_requests"])
         self.drafter_failures = Counter("specserve_drafter_failures", d["specserve_drafter_failures"], tag_keys=("kind",))
         self.target_failures = Counter("specserve_target_failures", d["specserve_target_failures"])
+        self.draft_calls_skipped = Counter("specserve_draft_calls_skipped", d["specserve_draft_calls_skipped"])
         self.prompt_tokens = Counter("specserve_prompt_tokens", d["specserve_prompt_tokens"])
         self.cached_prompt_tokens = Counter("specserve_cached_prompt_tokens", d["specserve_cached_prompt_tokens"])
         self.preemptions = Counter("specserve_preemptions", d["specserve_preemptions"])
@@ -114,6 +117,7 @@ class ServingMetrics:
             verify_seconds=sum(e.counters.verify_seconds for e in engines),
             draft_wait_seconds=sum(e.counters.draft_wait_seconds for e in engines),
             draft_failures=sum(e.counters.draft_failures for e in engines),
+            draft_calls_skipped=sum(e.counters.draft_calls_skipped for e in engines),
             bad_trees=sum(e.counters.bad_trees for e in engines),
             target_failures=sum(e.counters.target_failures for e in engines),
             prompt_tokens=sum(e.counters.prompt_tokens for e in engines),
@@ -123,6 +127,8 @@ class ServingMetrics:
         for counter, tags, change in ((self.drafter_failures, {"kind": "call"}, now.draft_failures - self._last.draft_failures),
                                       (self.drafter_failures, {"kind": "bad_tree"}, now.bad_trees - self._last.bad_trees),
                                       (self.target_failures, None, now.target_failures - self._last.target_failures),
+                                      (self.draft_calls_skipped, None,
+                                       now.draft_calls_skipped - self._last.draft_calls_skipped),
                                       (self.prompt_tokens, None, now.prompt_tokens - self._last.prompt_tokens),
                                       (self.cached_prompt_tokens, None,
                                        now.cached_prompt_tokens - self._last.cached_prompt_tokens),

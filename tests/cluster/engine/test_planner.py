@@ -327,3 +327,4 @@ def test_a_cheap_drafter_whose_calls_cost_more_than_they_save_stops_being_called
     assert output.token_ids == expected[0, len(prompt):].tolist()
     assert output.stats.target_forwards > 30
     assert SlowCheapLookup.calls <= 5
+    assert engine.counters.draft_calls_skipped >= output.stats.target_forwards - 5  # what the metric counts
