@@ -70,7 +70,8 @@ class StepCost:
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
         self._ridge = PRIOR_STEPS * np.diag(np.array([self._unit, self._unit, self._per_token]) ** 2)
-        self._correction = np.zeros(3)
+        self._fixed, self._scale, self._per_drafted = 0.0, 0.0, 0.0
+        """The fitted correction in seconds, as plain floats: `seconds` runs for every node a trim weighs."""
 
     def _features(self, forward: float, drafted: int) -> np.ndarray:
         """In seconds; the prior holds each coefficient near zero at the scale of a pass (a step's part)
@@ -83,12 +84,15 @@ class StepCost:
         x = self._features(forward, drafted)
         self._xx = STEP_MEMORY * self._xx + np.outer(x, x)
         self._xy = STEP_MEMORY * self._xy + x * (seconds - forward)
-        self._correction = _non_negative_solve(self._xx + self._ridge, self._xy)
+        fixed, scale, per_drafted = _non_negative_solve(self._xx + self._ridge, self._xy)
+        self._fixed, self._scale = float(fixed) * self._unit, float(scale)
+        self._per_drafted = float(per_drafted) * self._per_token
 
     def seconds(self, tokens: int, sequences: int = 1, drafted: int = 0) -> float:
-        """Expected seconds of a step of `tokens` tokens over `sequences`, `drafted` of them drafted."""
+        """Expected seconds of a step of `tokens` tokens over `sequences`, `drafted` of them drafted
+        (the curve plus the correction over `_features`, in plain arithmetic)."""
         forward = self.curve.seconds(tokens, sequences)
-        return forward + float(self._features(forward, drafted) @ self._correction)
+        return forward + self._fixed + self._scale * forward + self._per_drafted * drafted
 
 
 def _non_negative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:

@@ -169,11 +169,34 @@ class Planned:
 
 
 @dataclass
+class Exploration:
+    """When a drafter that stopped paying is tried again: after `explore_after` skipped steps, each
+    try that does not bring drafting back doubling the wait (EXPLORE_EVERY, EXPLORE_BACKOFF)."""
+
+    skipped: int = 0
+    explore_after: int = EXPLORE_EVERY
+
+    def drafting(self, pays: bool) -> None:
+        """A step drafts; `pays`: because drafting pays again (not only as a try)."""
+        self.skipped = 0
+        if pays:
+            self.explore_after = EXPLORE_EVERY
+
+    def tries(self) -> bool:
+        """A step where drafting does not pay: whether it drafts anyway, as a try."""
+        self.skipped += 1
+        if self.skipped < self.explore_after:
+            return False
+        self.skipped = 0
+        self.explore_after = min(2 * self.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
+        return True
+
+
+@dataclass
 class Planner:
     cost: CostCurve
     acceptance: Acceptance = field(default_factory=Acceptance)
-    steps_since_drafting: int = 0
-    explore_after: int = EXPLORE_EVERY
+    exploration: Exploration = field(default_factory=Exploration)
     step: StepCost = field(init=False)
     """What a step costs: the curve, corrected by the steps observed."""
     last_saving: float = 0.0
@@ -238,16 +261,9 @@ class Planner:
             if value / seconds > best:
                 best, best_depth = value / seconds, depth
         if best_depth or not cap:
-            self.steps_since_drafting = 0
-            if best_depth:
-                self.explore_after = EXPLORE_EVERY
+            self.exploration.drafting(pays=bool(best_depth))
             return best_depth
-        self.steps_since_drafting += 1
-        if self.steps_since_drafting < self.explore_after:
-            return 0
-        self.steps_since_drafting = 0
-        self.explore_after = min(2 * self.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
-        return 1
+        return int(self.exploration.tries())
 
 
 CALL_AVERAGING = 0.2
@@ -260,8 +276,7 @@ class _CallRecord:
     """Average seconds a call's trimmed drafts were expected to save (None before the first call)."""
     cost: float = 0.0
     """Average seconds a call cost the engine's thread: building and sending it, waiting for its trees."""
-    skipped: int = 0
-    explore_after: int = EXPLORE_EVERY
+    exploration: Exploration = field(default_factory=Exploration)
     paid: bool = True
 
 
@@ -287,14 +302,9 @@ class DraftCallGate:
         """Whether a batch of `sequences` requests calls the drafter this step."""
         record = self._record(sequences)
         if record.saving is None or record.saving > record.cost:
-            record.skipped = 0
+            record.exploration.drafting(pays=False)  # paying: `observe` resets the wait
             return True
-        record.skipped += 1
-        if record.skipped < record.explore_after:
-            return False
-        record.skipped = 0
-        record.explore_after = min(2 * record.explore_after, EXPLORE_EVERY * EXPLORE_BACKOFF)
-        return True
+        return record.exploration.tries()
 
     def observe(self, sequences: int, saving: float, cost: float) -> None:
         """A step of `sequences` requests called the drafter: its trims expected `saving` seconds; the call cost `cost`."""
@@ -306,7 +316,7 @@ class DraftCallGate:
             record.cost += CALL_AVERAGING * (cost - record.cost)
         pays = record.saving > record.cost
         if pays:
-            record.explore_after = EXPLORE_EVERY
+            record.exploration.drafting(pays=True)
         if pays != record.paid:
             record.paid = pays
             low = 1 << (sequences.bit_length() - 1)

@@ -95,7 +95,7 @@ class DraftPool:
                 _let_go(member)
                 return
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
-        while self.members and len(self.members) > size:
+        while len(self.members) > size:
             self._remove(self.members[-1])
             log.info("draft pool %s: %d drafters", self.pool.name, len(self.members))
 

@@ -205,7 +205,7 @@ def test_a_stopped_drafter_still_drafts_now_and_then_to_learn_whether_it_pays_ag
     assert set(depths) == {0, 1}
     assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]  # each try that fails waits twice as long
     assert planner.depth(1, 8, drafter_costing(0, 0, 0.0)) > 0
-    assert planner.explore_after == EXPLORE_EVERY  # drafting again: the next stop explores soon
+    assert planner.exploration.explore_after == EXPLORE_EVERY  # drafting again: the next stop explores soon
     assert planner.depth(1, 0, dear) == 0  # nothing to explore when no request may draft
 
 
