@@ -18,6 +18,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "dtype_io.h"
 
@@ -176,18 +177,18 @@ void tile(const T* x, const T* weight, const T* bias, T* y, int64_t width, int64
     }
 }
 
-// Calls body(rows, count) with both as compile-time constants (std::integral_constant): `rows` is 1,
-// 2, 3 or MaxRows (a row count past 3 is a full tile of MaxRows), `count` from 1 to MaxCount. Both
-// product kernels tile this way: every tile shape is its own unrolled loop.
+template <int64_t... Rows, typename Body>
+void each_row_count(std::integer_sequence<int64_t, Rows...>, int64_t rows, Body&& body) {
+  ((rows == Rows + 1 && (body(std::integral_constant<int64_t, Rows + 1>{}), true)) || ...);
+}
+
+// Calls body(rows, count) with both as compile-time constants (std::integral_constant): `rows` from
+// 1 to MaxRows, `count` from 1 to MaxCount. Both product kernels tile this way: every tile shape is
+// its own unrolled loop.
 template <int64_t MaxRows, int64_t... Counts, typename Body>
 void each_count(std::integer_sequence<int64_t, Counts...>, int64_t rows, int64_t count, Body& body) {
   const auto with_rows = [&](auto count_constant) {
-    switch (rows) {
-      case 1: body(std::integral_constant<int64_t, 1>{}, count_constant); break;
-      case 2: body(std::integral_constant<int64_t, 2>{}, count_constant); break;
-      case 3: body(std::integral_constant<int64_t, 3>{}, count_constant); break;
-      default: body(std::integral_constant<int64_t, MaxRows>{}, count_constant);
-    }
+    each_row_count(std::make_integer_sequence<int64_t, MaxRows>{}, rows, [&](auto rows_constant) { body(rows_constant, count_constant); });
   };
   ((count == Counts + 1 && (with_rows(std::integral_constant<int64_t, Counts + 1>{}), true)) || ...);
 }
@@ -244,30 +245,44 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 // bfloat16 over a weight in pairs (`linear_pairs`): W [out, in] laid out as [out / 16][in / 2][16][2]
 // (outputs padded to a multiple of 16 with zeros), so one vector holds an input pair's weights for
-// 16 outputs. An input pair is broadcast to every lane and `vdpbf16ps` adds its two products to 16
-// outputs' float32 sums at once: each output is summed over the pairs in order, lanes never cross,
-// so there is no lane sum, and a row's bits do not depend on the call. As fast as oneDNN's packed
-// product from 1 to 1,024 rows on the default target's shapes (docs/benchmarks.md), where the
-// dot-product tiles above are 1.1-1.5x slower from 4 rows on.
+// 16 outputs. Each output is summed over the pairs in order, each pair as `vdpbf16ps` adds it (the
+// odd input's product, then the even's, each exact and rounded once into the sum: a fused
+// multiply-add), lanes never crossing, so there is no lane sum and a row's bits do not depend on the
+// call. The sums are float32 fused multiply-adds, not `vdpbf16ps` (same bits but for denormals,
+// which it flushes to zero): on the AVX512-BF16 Xeon of docs/benchmarks.md two multiply-adds of 16
+// lanes cost 0.6 of one `vdpbf16ps`, and the products ran 1.7x faster from 16 rows on. A pair's
+// weights widen to float32 in two integer steps (a shift, a mask) shared by a tile's rows; the
+// inputs are widened once a panel.
 #if defined(__AVX512BF16__)
-constexpr int64_t kPairRows = 4, kPairBlocks = 6;  // 24 accumulators, 6 weight vectors, a broadcast pair
+constexpr int64_t kPairRows = 8, kPairGroup = 6;  // rows a tile; blocks of 16 outputs a thread's unit of work
+
+// Blocks of 16 outputs a tile of `rows` takes: 6 for 1-2 rows, 3 for 3-4, 2 for 5-8 (12-16
+// accumulators): enough independent sums to keep the multiply-adds busy while few rows' weights
+// stream from memory, few enough that the widened weights stay in registers. No output's
+// arithmetic depends on it.
+constexpr int64_t tile_blocks(int64_t rows) { return rows <= 2 ? 6 : (rows <= 4 ? 3 : 2); }
 
 template <int64_t Rows, int64_t Blocks>
-void pair_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, const float* bias, uint16_t* y,
+void pair_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t pairs, const float* bias, uint16_t* y,
                int64_t y_stride, int64_t valid_outputs) {
   __m512 acc[Rows][Blocks];
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t block_elements = pairs * 32;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512i weights[Blocks];
-    for (int64_t b = 0; b < Blocks; ++b) weights[b] = _mm512_loadu_si512(w + b * block_elements + p * 32);
+    __m512 even[Blocks], odd[Blocks];
+    for (int64_t b = 0; b < Blocks; ++b) {
+      // 16 pairs ahead (past a block's end it reads nothing that matters, and a prefetch never faults):
+      // 1.2x the rate from memory at 1-8 rows
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * block_elements + (p + 16) * 32), _MM_HINT_T0);
+      const __m512i both = _mm512_loadu_si512(w + b * block_elements + p * 32);
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+    }
     for (int64_t r = 0; r < Rows; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
-      const __m512bh both = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int64_t b = 0; b < Blocks; ++b)
-        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], both, reinterpret_cast<__m512bh>(weights[b]));
+      const __m512 x_even = _mm512_set1_ps(x[r * x_stride + 2 * p]), x_odd = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
+      for (int64_t b = 0; b < Blocks; ++b) acc[r][b] = _mm512_fmadd_ps(x_even, even[b], _mm512_fmadd_ps(x_odd, odd[b], acc[r][b]));
     }
   }
   for (int64_t b = 0; b < Blocks; ++b) {
@@ -300,21 +315,33 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& paired, const c10
   const uint16_t* ws = elements<uint16_t>(paired);
   const float* bs = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   uint16_t* ys = elements<uint16_t>(y);
-  const int64_t x_stride = x.stride(0), block_elements = pairs * 32;
-  const int64_t groups = (blocks + kPairBlocks - 1) / kPairBlocks;  // a group's weights stay in L2 over a panel
+  const int64_t width = x.size(1), x_stride = x.stride(0), block_elements = pairs * 32;
+  const int64_t groups = (blocks + kPairGroup - 1) / kPairGroup;  // a group's weights stay in L2 over a panel
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> widened(std::min(rows, kPanelRows) * width);  // the panel's inputs as float32
     for (int64_t panel = 0; panel < rows; panel += kPanelRows) {
       const int64_t panel_end = std::min(rows, panel + kPanelRows);
+      for (int64_t r = panel; r < panel_end; ++r)
+        for (int64_t k = 0; k < width; ++k) widened[(r - panel) * width + k] = to_float(xs[r * x_stride + k]);
       for (int64_t group = first; group < last; ++group) {
-        const int64_t block = group * kPairBlocks, count = std::min(kPairBlocks, blocks - block);
-        const int64_t output = block * 16, valid = std::min(count * 16, outputs - output);
+        const int64_t group_block = group * kPairGroup, group_end = std::min(blocks, group_block + kPairGroup);
         for (int64_t r = panel; r < panel_end; r += kPairRows) {
-          const auto tile = [&](auto tile_rows, auto tile_blocks) {
-            pair_tile<decltype(tile_rows)::value, decltype(tile_blocks)::value>(
-                xs + r * x_stride, x_stride, ws + block * block_elements, pairs, bs == nullptr ? nullptr : bs + output,
-                ys + r * outputs + output, outputs, valid);
-          };
-          tile_shape<kPairRows, kPairBlocks>(std::min(kPairRows, panel_end - r), count, tile);
+          const int64_t tile_rows = std::min(kPairRows, panel_end - r);
+          const int64_t step = tile_blocks(tile_rows);
+          for (int64_t block = group_block; block < group_end; block += step) {
+            const int64_t count = std::min(step, group_end - block);
+            const int64_t output = block * 16, valid = std::min(count * 16, outputs - output);
+            const auto tile = [&](auto rows_constant, auto blocks_constant) {
+              pair_tile<decltype(rows_constant)::value, decltype(blocks_constant)::value>(
+                  widened.data() + (r - panel) * width, width, ws + block * block_elements, pairs,
+                  bs == nullptr ? nullptr : bs + output, ys + r * outputs + output, outputs, valid);
+            };
+            switch (step) {
+              case tile_blocks(1): tile_shape<2, tile_blocks(1)>(tile_rows, count, tile); break;
+              case tile_blocks(3): tile_shape<4, tile_blocks(3)>(tile_rows, count, tile); break;
+              default: tile_shape<kPairRows, tile_blocks(kPairRows)>(tile_rows, count, tile);
+            }
+          }
         }
       }
     }
