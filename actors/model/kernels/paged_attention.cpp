@@ -136,35 +136,47 @@ __attribute__((noinline)) void score_tile(Vector* const* vectors, const float* k
   std::memcpy(scores, tile, sizeof(tile));
 }
 
-// A vector's softmax step over a block of `size` columns: `scores` [kBlock] become the weights (0
-// past `size`), its max and total move on; returns the factor its earlier weighted sum is to be
-// scaled by. The block's sum is taken in one fixed order (halves added pairwise).
-__attribute__((noinline)) float weigh(Vector& vector, float* scores, int64_t size) {
-  for (int64_t j = size; j < kBlock; ++j) scores[j] = -std::numeric_limits<float>::infinity();
-  float block_max = vector.max_score;
+constexpr int kTile = 4;  // query vectors scored and accumulated together
+
+// The softmax step of a tile's `count` vectors over a block of `size` columns: each one's scores
+// [kBlock] (vector v's at scores + v * kBlock) become its weights (0 past `size`), its max and total
+// move on, and alphas[v] is the factor its earlier weighted sum is to be scaled by. A block's sum
+// is taken in one fixed order (halves added pairwise). One call a tile, not a vector: the vectors'
+// steps are independent, so the CPU overlaps their horizontal maxima and sums, and one exp call
+// takes every score of the tile (elementwise, so a score's weight is the same in any tile).
+__attribute__((noinline)) void weigh(Vector* const* vectors, int count, float* scores, int64_t size, float* alphas) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float block_max[kTile];
+  for (int v = 0; v < count; ++v) {
+    float* row = scores + v * kBlock;
+    for (int64_t j = size; j < kBlock; ++j) row[j] = kNegInf;
+    block_max[v] = vectors[v]->max_score;
 #ifdef __AVX512F__
-  static_assert(kBlock == 32, "two vectors of 16 floats");
-  block_max = std::max(block_max, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_loadu_ps(scores), _mm512_loadu_ps(scores + 16))));
+    static_assert(kBlock == 32, "two vectors of 16 floats");
+    block_max[v] = std::max(block_max[v], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16))));
 #else
-  for (int64_t j = 0; j < size; ++j) block_max = std::max(block_max, scores[j]);
+    for (int64_t j = 0; j < size; ++j) block_max[v] = std::max(block_max[v], row[j]);
 #endif
-  for (int64_t j = 0; j < kBlock; ++j) scores[j] -= block_max;
-  exp_in_place(scores, size);
-  for (int64_t j = size; j < kBlock; ++j) scores[j] = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) row[j] -= block_max[v];
+  }
+  exp_in_place(scores, count * kBlock);
+  for (int v = 0; v < count; ++v) {
+    float* row = scores + v * kBlock;
+    for (int64_t j = size; j < kBlock; ++j) row[j] = 0.f;
 #ifdef __AVX512F__
-  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(scores), _mm512_loadu_ps(scores + 16)));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16)));
 #else
-  alignas(64) float partial[kBlock];
-  std::memcpy(partial, scores, sizeof(partial));
-  for (int64_t width = kBlock / 2; width >= 1; width /= 2)
-    for (int64_t j = 0; j < width; ++j) partial[j] += partial[j + width];
-  const float sum = partial[0];
+    alignas(64) float partial[kBlock];
+    std::memcpy(partial, row, sizeof(partial));
+    for (int64_t width = kBlock / 2; width >= 1; width /= 2)
+      for (int64_t j = 0; j < width; ++j) partial[j] += partial[j + width];
+    const float sum = partial[0];
 #endif
-  const float alpha = vector.max_score == -std::numeric_limits<float>::infinity()
-                          ? 0.f : std::exp(vector.max_score - block_max);
-  vector.total = vector.total * alpha + sum;
-  vector.max_score = block_max;
-  return alpha;
+    Vector& vector = *vectors[v];
+    alphas[v] = vector.max_score == kNegInf ? 0.f : std::exp(vector.max_score - block_max[v]);
+    vector.total = vector.total * alphas[v] + sum;
+    vector.max_score = block_max[v];
+  }
 }
 
 // acc = acc * alpha, then acc = fma(weight_j, value_j, acc) for j in order: one vector at a time, or
@@ -220,14 +232,12 @@ void accumulate(Vector* const* vectors, const float* weights, const float* alpha
   for (int v = 0; v < count; ++v) accumulate_one(*vectors[v], weights + v * kBlock, alphas[v], rows, size, dim);
 }
 
-constexpr int kTile = 4;  // query vectors scored and accumulated together
-
 template <int count>
 void tile_step(Vector* const* vectors, const float* keys_t, const float* rows, int64_t size, int64_t dim) {
   alignas(64) float scores[kTile * kBlock];
   float alphas[kTile];
   score_tile<count>(vectors, keys_t, dim, scores);
-  for (int v = 0; v < count; ++v) alphas[v] = weigh(*vectors[v], scores + v * kBlock, size);
+  weigh(vectors, count, scores, size, alphas);
   accumulate<count>(vectors, scores, alphas, rows, size, dim);
 }
 
