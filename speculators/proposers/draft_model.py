@@ -106,6 +106,9 @@ class DraftModelProposer(Proposer):
             if not self.model.has(request_id):
                 self.model.add(request_id, request.cache_scope)
                 self.model.reuse_prefix(request_id, request.token_ids[:-1])  # the root is always fed
+            elif self.model.committed_length(request_id) >= len(request.token_ids):
+                # back without a new token (the target did not verify it last step): feed the root again
+                self.model.truncate(request_id, len(request.token_ids) - 1)
             self._recent.pop(request_id, None)
             self._recent[request_id] = None
             fresh = len(request.token_ids) - self.model.committed_length(request_id)

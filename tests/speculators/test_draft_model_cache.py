@@ -59,3 +59,15 @@ def test_requests_of_one_scope_share_the_draft_cache_for_a_common_prefix(tiny_mo
         trees = [small.propose([_request("a", first, scope)])[0], small.propose([_request("b", second, scope)])[0]]
         assert all(_same_tree(x, y) for x, y in zip(trees, expected))
         assert small.model.has("a") is fits_both  # else "a" was dropped to make room for "b"
+
+
+def test_a_request_asked_again_without_a_new_token_drafts_the_same_tree(tiny_model):
+    """A request the target did not verify last step (a full pass, a preemption) comes back with the
+    same tokens: its root is fed again, where the draft used to find no new token to feed and fail
+    the whole call (every request of it then decoded without speculation)."""
+    model, _ = tiny_model
+    proposer = _proposer(model, blocks=None)
+    first = proposer.propose([_request("a", A), _request("b", B)])
+    proposer.on_accept("a", A)  # verified nothing new
+    again = proposer.propose([_request("a", A), _request("b", B + [3])])
+    assert _same_tree(again[0], first[0]) and again[0].num_drafted > 0
