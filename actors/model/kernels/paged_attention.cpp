@@ -45,6 +45,20 @@ __attribute__((noinline)) void exp_in_place(float* x, int64_t count) {
   for (int64_t j = 0; j < count; ++j) x[j] = specserve_kernels::exp_approx(x[j]);
 }
 
+// The bfloat16 keys of 16 columns, `run` their storage positions (the first `valid` of them real),
+// as 16 rows of `dim`: where they lie in the cache when all 16 are real and at consecutive
+// positions (a cache block's, the common case), else copied into `staged` with zero keys past
+// `valid`. The same keys either way.
+inline const uint16_t* sixteen_keys(const uint16_t* keys, const int64_t* run, int64_t valid, int64_t dim,
+                                    uint16_t* staged) {
+  static const uint16_t zeros[kMaxDim] = {};
+  if (valid >= 16 && std::adjacent_find(run, run + 16, [](int64_t a, int64_t b) { return b != a + 1; }) == run + 16)
+    return keys + run[0] * dim;
+  for (int64_t j = 0; j < 16; ++j)
+    std::memcpy(staged + j * dim, j < valid ? keys + run[j] * dim : zeros, dim * sizeof(uint16_t));
+  return staged;
+}
+
 #ifdef __AVX512F__
 // 16 rows of 16 floats (row j at src + j * src_stride) as 16 columns in registers (r[i] holds
 // column i): 64 shuffles instead of 16 gathers (16 decoding rows, 30 layers of the default target
@@ -86,20 +100,11 @@ inline void transpose_16x16(const float* src, int64_t src_stride, float* dst, in
 // the shuffles of widening first and no copy, the same floats. Columns past `size` get zero keys.
 inline void load_keys_in_pairs(const uint16_t* keys, const int64_t* positions, int64_t size, int64_t dim,
                                float* keys_t) {
-  static const uint16_t zeros[kMaxDim] = {};
   const int64_t pairs = dim / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  alignas(64) uint32_t staged[16 * kMaxDim / 2];
+  alignas(64) uint16_t staged[16 * kMaxDim];
   for (int64_t half = 0; half < kBlock; half += 16) {
-    const int64_t* run = positions + half;
-    const uint32_t* rows = staged;
-    if (half + 16 <= size &&
-        std::adjacent_find(run, run + 16, [](int64_t a, int64_t b) { return b != a + 1; }) == run + 16) {
-      rows = reinterpret_cast<const uint32_t*>(keys + run[0] * dim);
-    } else {
-      for (int64_t j = 0; j < 16; ++j)
-        std::memcpy(staged + j * pairs, half + j < size ? keys + run[j] * dim : zeros, dim * sizeof(uint16_t));
-    }
+    const uint32_t* rows = reinterpret_cast<const uint32_t*>(sixteen_keys(keys, positions + half, size - half, dim, staged));
     for (int64_t p = 0; p < pairs; p += 16) {
       __m512 r[16];
       transposed_16x16(reinterpret_cast<const float*>(rows + p), pairs, r);
@@ -381,17 +386,9 @@ struct AmxBlocks {
   // read by the tile loads where they lie; others are copied (zero past `size`). Same bits either way.
   void load(const uint16_t* keys_in, const uint16_t* values_in, const int64_t* positions, int64_t size) {
     static const uint16_t zeros[kMaxDim] = {};
-    for (int64_t half = 0; half < kBlock; half += kRows) {
-      const int64_t* run = positions + half;
-      if (half + kRows <= size &&
-          std::adjacent_find(run, run + kRows, [](int64_t a, int64_t b) { return b != a + 1; }) == run + kRows) {
-        key_rows[half / kRows] = keys_in + run[0] * dim;
-        continue;
-      }
-      for (int64_t j = half; j < half + kRows; ++j)
-        std::memcpy(keys + j * dim, j < size ? keys_in + positions[j] * dim : zeros, dim * sizeof(uint16_t));
-      key_rows[half / kRows] = keys + half * dim;
-    }
+    static_assert(kRows == 16, "sixteen_keys gives 16 columns' keys");
+    for (int64_t half = 0; half < kBlock; half += kRows)
+      key_rows[half / kRows] = sixteen_keys(keys_in, positions + half, size - half, dim, keys + half * dim);
     for (int64_t j = 0; j < kBlock; j += 2) {
       const uint16_t* even = j < size ? values_in + positions[j] * dim : zeros;
       const uint16_t* odd = j + 1 < size ? values_in + positions[j + 1] * dim : zeros;
