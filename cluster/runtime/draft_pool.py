@@ -103,7 +103,8 @@ class DraftPool:
         """Take a member out and let it go; a member already taken out (by the other thread) is left be."""
         with self._lock:
             present = any(m is member for m in self.members)
-            self.members, self._changes = [m for m in self.members if m is not member], self._changes + 1
+            if present:
+                self.members, self._changes = [m for m in self.members if m is not member], self._changes + 1
         if present:
             _let_go(member)
 
